@@ -1,0 +1,133 @@
+"""Small models, optimizers and the single-device reference for tests."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# Optimizers every stage must match exactly. Clipping at 0.1 is tight enough
+# to be active, so the global norm over all shards is really exercised;
+# adafactor factors every matrix with both dims >= 32.
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "lion": lambda: optax.lion(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=32),
+    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.1),
+                                     optax.adam(1e-2)),
+}
+
+
+def mlp_params(key=jax.random.PRNGKey(0)):
+  k = jax.random.split(key, 3)
+  return {
+      "w1": jax.random.normal(k[0], (16, 64)) * 0.3,
+      "b1": jnp.zeros((64,)),
+      "w2": jax.random.normal(k[1], (64, 64)) * 0.15,
+      "w3": jax.random.normal(k[2], (64, 8)) * 0.15,
+  }
+
+
+def mlp_loss(params, batch):
+  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  h = jnp.tanh(h @ params["w2"])
+  return jnp.mean((h @ params["w3"] - batch["y"]) ** 2)
+
+
+def mlp_batches(steps=10, batch=32, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"x": rng.normal(size=(batch, 16)).astype(np.float32),
+           "y": rng.normal(size=(batch, 8)).astype(np.float32)}
+          for _ in range(steps)]
+
+
+def awkward_params(key=jax.random.PRNGKey(1)):
+  """Leaves no device count divides, and a scalar."""
+  k = jax.random.split(key, 4)
+  return {
+      "v7": jax.random.normal(k[0], (7,)) * 0.1,
+      "m13x24": jax.random.normal(k[1], (13, 24)) * 0.1,
+      "t357": jax.random.normal(k[2], (3, 5, 7)) * 0.1,
+      "scalar": jnp.array(0.5),
+      "w": jax.random.normal(k[3], (5, 13)) * 0.3,
+  }
+
+
+def awkward_loss(params, batch):
+  x = batch["x"]                                     # (B, 13)
+  h = jnp.tanh(x @ params["m13x24"])                 # (B, 24)
+  h = h[:, :7] * params["v7"] + jnp.sum(params["t357"], axis=(0, 1))
+  out = h @ params["w"][:, :7].T * params["scalar"]  # (B, 5)
+  return jnp.mean((out - batch["y"]) ** 2)
+
+
+def awkward_batches(steps=5, batch=16, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"x": rng.normal(size=(batch, 13)).astype(np.float32),
+           "y": rng.normal(size=(batch, 5)).astype(np.float32)}
+          for _ in range(steps)]
+
+
+def train_reference(loss_fn, tx, params, batches):
+  """Plain single-device optax training on the full global batches."""
+  dev = jax.devices()[0]
+  params = jax.device_put(params, dev)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(p, o, b):
+    loss, g = jax.value_and_grad(loss_fn)(p, b)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o, loss
+
+  losses = []
+  for b in batches:
+    params, opt_state, loss = step(params, opt_state, jax.device_put(b, dev))
+    losses.append(float(loss))
+  return losses, params
+
+
+def train_engine(engine, params, batches):
+  state = engine.init(params)
+  losses = []
+  for b in batches:
+    state, metrics = engine.step(state, b)
+    losses.append(float(metrics["loss"]))
+  return losses, engine.gather_params(state), state
+
+
+def rel_err(a, b) -> float:
+  """Largest per-leaf ||a - b|| / ||b||."""
+  def err(x, y):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+
+  errs = jax.tree.map(err, a, b)
+  return max(jax.tree.leaves(errs))
+
+
+def assert_matches(losses, params, ref_losses, ref_params, tol=1e-5):
+  assert len(losses) == len(ref_losses)
+  for i, (l, r) in enumerate(zip(losses, ref_losses)):
+    assert abs(l - r) <= tol * abs(r), f"step {i}: loss {l} vs reference {r}"
+  assert jax.tree.structure(params) == jax.tree.structure(ref_params)
+  err = rel_err(params, ref_params)
+  assert err <= tol, f"parameters differ from reference: rel err {err:.3g}"
+
+
+@functools.cache
+def cached_reference(model: str, opt: str):
+  """Reference run per (model, optimizer), shared across stages and N."""
+  loss_fn, params, batches = MODELS[model]()
+  return train_reference(loss_fn, OPTIMIZERS[opt](), params, batches)
+
+
+def _mlp():
+  return mlp_loss, mlp_params(), mlp_batches()
+
+
+MODELS = {"mlp": _mlp}

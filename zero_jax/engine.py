@@ -1,0 +1,353 @@
+"""The engine: ZeRO train state and one jitted, donating train step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zero_jax import collectives
+from zero_jax.config import ZeroConfig
+from zero_jax.mesh import DATA
+from zero_jax.plan import LeafPlan, Plan, path_str
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  """Everything that persists between steps; every leaf has a fixed layout.
+
+  Attributes:
+    step: number of steps taken (int32 scalar, replicated).
+    params: fp32 master parameters, in the structure given to
+      ``Engine.init``. Stage 0: replicated. Stage 3: sharded. Stages 1-2:
+      replicated, because with fp32 compute the replicated compute copy *is*
+      the master copy; the update slices each device's shard out of it, so no
+      second (sharded) copy is stored.
+    opt_state: optimizer state, every leaf laid out by its shape (sharded at
+      stages 1-3, replicated at stage 0).
+    rng: base PRNG key (replicated); step keys are derived from it.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+
+
+class _StepFunction:
+  """``engine.step``: the jitted train step plus batch placement.
+
+  Calling it places host (numpy) batch leaves on the mesh first (in
+  multi-process runs they are each process's local slice of the global
+  batch), then runs the jitted step. ``lower`` does the same and returns the
+  jitted step's ``Lowered``, so ``engine.step.lower(state, batch).compile()``
+  gives the compiled step for memory and HLO analysis. ``jitted`` is the raw
+  ``jax.jit`` function.
+  """
+
+  def __init__(self, jitted, place_batch):
+    self.jitted = jitted
+    self._place_batch = place_batch
+
+  def __call__(self, state: TrainState, batch: Any):
+    return self.jitted(state, self._place_batch(batch))
+
+  def lower(self, state: TrainState, batch: Any):
+    return self.jitted.lower(state, self._place_batch(batch))
+
+
+class Engine:
+  """Trains ``loss_fn`` with ``tx`` under ZeRO on ``mesh``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux=True``; or ``loss_fn(params, batch, rng)`` with
+      ``with_rng=True``), the *mean* loss over the examples it is given. It
+      runs on each device's slice of the global batch with the full
+      parameters, in the structure given to ``init``.
+    tx: any optax transformation. The update runs on the sharded arrays as
+      ordinary jit code, so global operations (norms, factored statistics)
+      are exact.
+    config: the ZeRO config.
+    mesh: a mesh with a ``data`` axis, from ``make_mesh``.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; aux (a pytree of arrays)
+      is averaged over devices into the step's metrics under ``"aux"``.
+    with_rng: ``loss_fn`` takes a third argument, a PRNG key that differs on
+      every step and on every device (``fold_in(fold_in(seed_key, step),
+      device_index)``): use it for dropout.
+  """
+
+  def __init__(self, loss_fn: Callable[..., Any],
+               tx: optax.GradientTransformation, config: ZeroConfig,
+               mesh: Mesh, *, has_aux: bool = False, with_rng: bool = False):
+    if DATA not in mesh.axis_names:
+      raise ValueError(f"mesh must have a {DATA!r} axis (use "
+                       f"zero_jax.make_mesh()); got axes {mesh.axis_names}")
+    self.loss_fn = loss_fn
+    self.tx = tx
+    self.config = config
+    self.mesh = mesh
+    self.has_aux = has_aux
+    self.with_rng = with_rng
+    self.n = mesh.shape[DATA]
+    self._step = None
+    self.param_plan: Plan | None = None
+    self.opt_plan: Plan | None = None
+
+  # ---------------------------------------------------------------- layout
+
+  def _sharding(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
+
+  def _build(self, params: Any) -> None:
+    cfg = self.config
+    self._treedef = jax.tree.structure(params)
+    self._dtypes = [jnp.dtype(x.dtype) for x in jax.tree.leaves(params)]
+    for (path, x) in jax.tree_util.tree_flatten_with_path(params)[0]:
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"parameter {path_str(path)!r} has dtype {x.dtype}; pass only "
+            "trainable floating-point leaves (for Flax NNX: "
+            "nnx.split(model, nnx.Param)).")
+    master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                          params)
+    self.param_plan = Plan(master, self.mesh, cfg.stage,
+                           cfg.min_shard_elements)
+    opt_shapes = jax.eval_shape(self.tx.init, master)
+    self.opt_plan = Plan(opt_shapes, self.mesh, cfg.stage,
+                         cfg.min_shard_elements)
+    # Stages 1-2 keep the (fp32) compute copy replicated: it is the master.
+    if cfg.stage in (1, 2):
+      param_shardings = jax.tree.map(lambda _: self._sharding(P()), master)
+    else:
+      param_shardings = self.param_plan.shardings
+    replicated = self._sharding(P())
+    self.state_shardings = TrainState(step=replicated, params=param_shardings,
+                                      opt_state=self.opt_plan.shardings,
+                                      rng=replicated)
+    self._batch_sharding = self._sharding(P(DATA))
+    jitted = jax.jit(self._train_step, donate_argnums=0,
+                     out_shardings=(self.state_shardings, replicated))
+    self._step = _StepFunction(jitted, self.shard_batch)
+
+  # ------------------------------------------------------------------ API
+
+  def init(self, params: Any) -> TrainState:
+    """Copies ``params`` onto the mesh in ZeRO layout and builds the state.
+
+    Args:
+      params: any pytree of floating arrays (a dict, Flax Linen params, a
+        Flax NNX ``nnx.State``). It is copied: the caller's arrays stay valid
+        and unchanged however many (donating) steps follow.
+
+    Returns:
+      The initial ``TrainState``.
+    """
+    self._build(params)
+    sh = self.state_shardings
+
+    def make(p):
+      # jnp.array(copy=True) makes fresh buffers even for fp32 inputs, so
+      # donation in later steps never touches the caller's arrays.
+      master = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), p)
+      return TrainState(step=jnp.zeros((), jnp.int32), params=master,
+                        opt_state=self.tx.init(master),
+                        rng=jax.random.PRNGKey(self.config.seed))
+
+    return jax.jit(make, out_shardings=sh)(params)
+
+  @property
+  def step(self) -> _StepFunction:
+    """The train step: ``state, metrics = engine.step(state, batch)``.
+
+    ``batch`` is a pytree of arrays whose leading dimension is the global
+    batch (divisible by the number of devices). ``state`` is donated.
+    ``metrics`` holds ``"loss"`` (mean over the global batch) and, with
+    ``has_aux``, ``"aux"``.
+    """
+    if self._step is None:
+      raise RuntimeError("call engine.init(params) before engine.step")
+    return self._step
+
+  def gather_params(self, state: TrainState) -> Any:
+    """The full parameters, unsharded, in the tree and dtypes given to init.
+
+    Returns replicated arrays (every device holds the whole value).
+    """
+    dtypes = self._dtypes
+    treedef = self._treedef
+
+    def gather(p):
+      leaves = [x.astype(dt) for x, dt in zip(jax.tree.leaves(p), dtypes)]
+      return treedef.unflatten(leaves)
+
+    out = jax.tree.map(lambda _: self._sharding(P()), state.params)
+    return jax.jit(gather, out_shardings=out)(state.params)
+
+  def shard_batch(self, batch: Any) -> Any:
+    """Places a batch on the mesh, split over ``data`` on the leading dim.
+
+    ``jax.Array`` leaves are taken as global arrays. Host (numpy) leaves are
+    this process's slice of the global batch (in a single-process run: the
+    whole batch).
+    """
+    nproc = jax.process_count()
+
+    def place(x):
+      if isinstance(x, jax.Array):
+        return x
+      x = np.asarray(x)
+      self._check_batch_dim(x.shape, nproc * x.shape[0] if x.ndim else None)
+      return jax.make_array_from_process_local_data(self._batch_sharding, x)
+
+    return jax.tree.map(place, batch)
+
+  def describe(self) -> str:
+    """A table of every parameter: shape, and where it lives per device."""
+    if self.param_plan is None:
+      raise RuntimeError("call engine.init(params) before engine.describe()")
+    n = self.n
+    lines = [f"ZeRO stage {self.config.stage} over {n} device(s) on '{DATA}'",
+             f"{'parameter':<40} {'shape':<18} layout"]
+    replicated = []
+    for path, lp in self.param_plan.rows():
+      if lp.sharded:
+        where = (f"sharded dim {lp.dim} -> {lp.local_shape(n)} per device")
+      else:
+        where = f"replicated ({lp.reason})"
+        replicated.append(path)
+      lines.append(f"{path:<40} {str(lp.shape):<18} {where}")
+    n_rep = sum(1 for _, lp in self.opt_plan.rows() if not lp.sharded)
+    lines.append(f"{len(replicated)} of {len(self.param_plan.rows())} "
+                 f"parameter leaves replicated: {replicated or 'none'}")
+    lines.append(f"optimizer state: {len(self.opt_plan.rows())} leaves, "
+                 f"{n_rep} replicated (scalars, small or indivisible)")
+    if self.config.stage in (1, 2):
+      lines.append("stages 1-2: parameters replicated for compute; each "
+                   "device updates only its shard")
+    return "\n".join(lines)
+
+  def replicated_params(self) -> list[str]:
+    """Paths of parameter leaves that are not sharded."""
+    return [p for p, lp in self.param_plan.rows() if not lp.sharded]
+
+  # ----------------------------------------------------------------- step
+
+  def _check_batch_dim(self, shape, global_size) -> None:
+    if not shape:
+      raise ValueError("batch leaves need a leading batch dimension; got a "
+                       "scalar")
+    if global_size % self.n:
+      raise ValueError(
+          f"global batch size {global_size} is not divisible by the "
+          f"{self.n} devices of the mesh; use a global batch that is a "
+          f"multiple of {self.n} (e.g. {max(1, global_size // self.n) * self.n}"
+          ").")
+
+  def _loss_and_grads(self, params, batch, rng):
+    """Per-device loss and gradients, reduced into the ZeRO layout."""
+    stage, n = self.config.stage, self.n
+    plans = self.param_plan.leaves
+    is_plan = lambda x: isinstance(x, LeafPlan)
+
+    def local(params, batch, rng):
+      key = jax.random.fold_in(rng, jax.lax.axis_index(DATA))
+
+      def loss_of(full):
+        args = (full, batch, key) if self.with_rng else (full, batch)
+        out = self.loss_fn(*args)
+        loss, aux = out if self.has_aux else (out, None)
+        # Scaling by 1/n makes the summed (reduced) gradient the mean over
+        # the global batch.
+        return loss / n, (loss, aux)
+
+      if stage in (0, 1):
+        # Gradients stay local (pcast) until we reduce them all at once.
+        x = jax.tree.map(lambda p: jax.lax.pcast(p, DATA, to="varying"),
+                         params)
+        g, (loss, aux) = jax.grad(loss_of, has_aux=True)(x)
+        g = collectives.reduce_tree(plans, g)
+      elif stage == 2:
+        # Differentiate with respect to zero-valued stand-ins of each shard:
+        # each leaf's gradient is reduce-scattered as backward produces it.
+        shards = jax.tree.map(
+            lambda lp, p: (jax.lax.pcast(jnp.zeros(lp.local_shape(n), p.dtype),
+                                         DATA, to="varying")
+                           if lp.sharded else
+                           jax.lax.pcast(p, DATA, to="varying")),
+            plans, params, is_leaf=is_plan)
+
+        def loss_of_shards(shards):
+          full = jax.tree.map(
+              lambda lp, s, p: (collectives.use_with_scattered_grad(
+                  lp, s, jax.lax.pcast(p, DATA, to="varying"))
+                                if lp.sharded else s),
+              plans, shards, params, is_leaf=is_plan)
+          return loss_of(full)
+
+        g, (loss, aux) = jax.grad(loss_of_shards, has_aux=True)(shards)
+        g = jax.tree.map(lambda lp, x: x if lp.sharded else
+                         jax.lax.psum(x, DATA), plans, g, is_leaf=is_plan)
+      else:
+        # Stage 3: gather at use; the gather's transpose reduce-scatters.
+        # Replicated leaves are only marked varying; that mark's transpose
+        # all-reduces their gradients.
+        g, (loss, aux) = jax.grad(
+            lambda p: loss_of(collectives.gather_tree(plans, p)),
+            has_aux=True)(params)
+      loss = jax.lax.pmean(loss, DATA)
+      aux = jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
+      return g, loss, aux
+
+    in_params = (self.param_plan.specs if stage == 3 else
+                 self.param_plan.replicated_specs)
+    grad_specs = (self.param_plan.replicated_specs if stage == 0 else
+                  self.param_plan.specs)
+    fn = jax.shard_map(local, mesh=self.mesh,
+                       in_specs=(in_params, P(DATA), P()),
+                       out_specs=(grad_specs, P(), P()))
+    return fn(params, batch, rng)
+
+  def _gather_replicated(self, tree):
+    """Explicit all-gather of sharded leaves into replicated copies."""
+    plans = self.param_plan.leaves
+    fn = jax.shard_map(
+        lambda t: jax.tree.map(
+            lambda lp, x: (jax.lax.all_gather(x, DATA, axis=lp.dim, tiled=True)
+                           if lp.sharded else x),
+            plans, t, is_leaf=lambda x: isinstance(x, LeafPlan)),
+        mesh=self.mesh, in_specs=(self.param_plan.specs,),
+        out_specs=self.param_plan.replicated_specs,
+        # all_gather's result is typed device-varying, but it is identical on
+        # every device by construction.
+        check_vma=False)
+    return fn(tree)
+
+  def _train_step(self, state: TrainState, batch: Any):
+    for x in jax.tree.leaves(batch):
+      self._check_batch_dim(x.shape, x.shape[0] if x.ndim else None)
+    stage = self.config.stage
+    rng = jax.random.fold_in(state.rng, state.step)
+    grads, loss, aux = self._loss_and_grads(state.params, batch, rng)
+    master = state.params
+    if stage in (1, 2):
+      # Slicing a replicated array to its shard is local: no communication.
+      master = jax.lax.with_sharding_constraint(master,
+                                                self.param_plan.shardings)
+    updates, opt_state = self.tx.update(grads, state.opt_state, master)
+    master = optax.apply_updates(master, updates)
+    if stage in (1, 2):
+      master = self._gather_replicated(master)
+    new_state = TrainState(step=state.step + 1, params=master,
+                           opt_state=opt_state, rng=state.rng)
+    metrics = {"loss": loss}
+    if self.has_aux:
+      metrics["aux"] = aux
+    return new_state, metrics
