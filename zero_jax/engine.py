@@ -44,23 +44,35 @@ class TrainState:
 class _StepFunction:
   """``engine.step``: the jitted train step plus batch placement.
 
-  Calling it places host (numpy) batch leaves on the mesh first (in
-  multi-process runs they are each process's local slice of the global
-  batch), then runs the jitted step. ``lower`` does the same and returns the
-  jitted step's ``Lowered``, so ``engine.step.lower(state, batch).compile()``
-  gives the compiled step for memory and HLO analysis. ``jitted`` is the raw
-  ``jax.jit`` function.
+  ``state, metrics = engine.step(state, batch)``. ``batch`` is a pytree of
+  arrays whose leading dimension is the global batch (divisible by the number
+  of devices); host (numpy) leaves are placed on the mesh first (in
+  multi-process runs each process passes its own slice of the global batch).
+  ``state`` is donated. ``metrics`` holds ``"loss"`` (the mean over the global
+  batch) and, with ``has_aux``, ``"aux"``.
+
+  ``engine.step.lower(state, batch)`` returns the jitted step's ``Lowered``,
+  so ``.compile()`` gives the compiled step for memory and HLO analysis;
+  ``engine.step.jitted`` is the raw ``jax.jit`` function.
   """
 
-  def __init__(self, jitted, place_batch):
-    self.jitted = jitted
-    self._place_batch = place_batch
+  def __init__(self, engine: "Engine"):
+    self._engine = engine
+
+  @property
+  def jitted(self):
+    if self._engine._jitted is None:
+      raise RuntimeError("call engine.init(params) before engine.step: the "
+                         "step is built for the layout of those params")
+    return self._engine._jitted
 
   def __call__(self, state: TrainState, batch: Any):
-    return self.jitted(state, self._place_batch(batch))
+    jitted = self.jitted
+    return jitted(state, self._engine.shard_batch(batch))
 
   def lower(self, state: TrainState, batch: Any):
-    return self.jitted.lower(state, self._place_batch(batch))
+    jitted = self.jitted
+    return jitted.lower(state, self._engine.shard_batch(batch))
 
 
 class Engine:
@@ -97,7 +109,8 @@ class Engine:
     self.has_aux = has_aux
     self.with_rng = with_rng
     self.n = mesh.shape[DATA]
-    self._step = None
+    self._jitted = None
+    self.step = _StepFunction(self)
     self.param_plan: Plan | None = None
     self.opt_plan: Plan | None = None
 
@@ -133,9 +146,8 @@ class Engine:
                                       opt_state=self.opt_plan.shardings,
                                       rng=replicated)
     self._batch_sharding = self._sharding(P(DATA))
-    jitted = jax.jit(self._train_step, donate_argnums=0,
-                     out_shardings=(self.state_shardings, replicated))
-    self._step = _StepFunction(jitted, self.shard_batch)
+    self._jitted = jax.jit(self._train_step, donate_argnums=0,
+                           out_shardings=(self.state_shardings, replicated))
 
   # ------------------------------------------------------------------ API
 
@@ -154,27 +166,16 @@ class Engine:
     sh = self.state_shardings
 
     def make(p):
-      # jnp.array(copy=True) makes fresh buffers even for fp32 inputs, so
-      # donation in later steps never touches the caller's arrays.
-      master = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), p)
+      master = jax.tree.map(lambda x: x.astype(jnp.float32), p)
       return TrainState(step=jnp.zeros((), jnp.int32), params=master,
                         opt_state=self.tx.init(master),
                         rng=jax.random.PRNGKey(self.config.seed))
 
-    return jax.jit(make, out_shardings=sh)(params)
-
-  @property
-  def step(self) -> _StepFunction:
-    """The train step: ``state, metrics = engine.step(state, batch)``.
-
-    ``batch`` is a pytree of arrays whose leading dimension is the global
-    batch (divisible by the number of devices). ``state`` is donated.
-    ``metrics`` holds ``"loss"`` (mean over the global batch) and, with
-    ``has_aux``, ``"aux"``.
-    """
-    if self._step is None:
-      raise RuntimeError("call engine.init(params) before engine.step")
-    return self._step
+    # Straight into the final layout (no device ever holds a full copy of a
+    # sharded leaf), and always a copy (may_alias=False): later steps donate
+    # the state, and that must never invalidate the caller's arrays.
+    placed = jax.device_put(params, sh.params, may_alias=False)
+    return jax.jit(make, out_shardings=sh)(placed)
 
   def gather_params(self, state: TrainState) -> Any:
     """The full parameters, unsharded, in the tree and dtypes given to init.
