@@ -11,14 +11,20 @@ import optax
 
 # Optimizers every stage must match exactly. Clipping at 0.1 is tight enough
 # to be active, so the global norm over all shards is really exercised;
-# adafactor factors every matrix with both dims >= 32.
+# adafactor factors every matrix with both dims >= 32. ``lr`` scales the
+# learning rates: Adam-like updates normalise away gradient magnitudes, so a
+# fp32 reassociation difference of 1e-7 in a small gradient becomes an update
+# difference proportional to the learning rate. On the tiny GPT at lr 1e-2,
+# two *single-device* runs that differ only in splitting the batch into 4
+# chunks already differ by 2.8e-5; at lr 1e-3 that floor is below 1e-5.
 OPTIMIZERS = {
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-    "lion": lambda: optax.lion(1e-3),
-    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=32),
-    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.1),
-                                     optax.adam(1e-2)),
+    "adamw": lambda lr=1.0: optax.adamw(1e-2 * lr, weight_decay=0.1),
+    "sgd_momentum": lambda lr=1.0: optax.sgd(1e-2 * lr, momentum=0.9),
+    "lion": lambda lr=1.0: optax.lion(1e-3 * lr),
+    "adafactor": lambda lr=1.0: optax.adafactor(1e-2 * lr,
+                                                min_dim_size_to_factor=32),
+    "clip_adam": lambda lr=1.0: optax.chain(optax.clip_by_global_norm(0.1),
+                                            optax.adam(1e-2 * lr)),
 }
 
 
@@ -123,7 +129,8 @@ def assert_matches(losses, params, ref_losses, ref_params, tol=1e-5):
 def cached_reference(model: str, opt: str):
   """Reference run per (model, optimizer), shared across stages and N."""
   loss_fn, params, batches = MODELS[model]()
-  return train_reference(loss_fn, OPTIMIZERS[opt](), params, batches)
+  return train_reference(loss_fn, OPTIMIZERS[opt](LR_SCALE[model]), params,
+                         batches)
 
 
 def _mlp():
@@ -131,3 +138,25 @@ def _mlp():
 
 
 MODELS = {"mlp": _mlp}
+
+
+def gpt_setup(d_model=32, n_layers=2, seq_len=16, batch=16, steps=10,
+              seed=0):
+  """A tiny reference GPT (Flax NNX, scanned layers) and token batches."""
+  from flax import nnx
+
+  from zero_jax.models import GPT, GPTConfig, make_loss_fn
+
+  cfg = GPTConfig(vocab_size=64, seq_len=seq_len, d_model=d_model,
+                  n_layers=n_layers, n_heads=4)
+  model = GPT(cfg, rngs=nnx.Rngs(seed))
+  graphdef, params = nnx.split(model, nnx.Param)
+  rng = np.random.default_rng(seed)
+  batches = [{"tokens": rng.integers(0, 64, size=(batch, seq_len + 1),
+                                     dtype=np.int32)} for _ in range(steps)]
+  return make_loss_fn(graphdef), params, batches
+
+
+MODELS["gpt"] = gpt_setup
+# Learning-rate scale per model (see OPTIMIZERS).
+LR_SCALE = {"mlp": 1.0, "gpt": 0.1}

@@ -17,7 +17,7 @@ def test_matches_single_device_optax(model, stage, n, opt):
   loss_fn, params, batches = m.MODELS[model]()
   ref_losses, ref_params = m.cached_reference(model, opt)
   # min_shard_elements=0 shards every divisible leaf, however small.
-  engine = zj.Engine(loss_fn, m.OPTIMIZERS[opt](),
+  engine = zj.Engine(loss_fn, m.OPTIMIZERS[opt](m.LR_SCALE[model]),
                      zj.ZeroConfig(stage=stage, min_shard_elements=0),
                      zj.make_mesh(num_devices=n))
   losses, params_out, _ = m.train_engine(engine, params, batches)
