@@ -18,10 +18,11 @@ _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4,
                 "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s16": 2, "u16": 2,
                 "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 # "%name = f32[16,8]{1,0} all-gather(...)" and tuple results
-# "%name = (f32[8]{0}, f32[4]{0}) all-reduce(...)"; async pairs appear as
+# "%name = (f32[8]{0}, /*index=1*/f32[4]{0}) all-reduce(...)" (the combiner
+# merges many into one tuple); async pairs appear as
 # "-start"/"-done": only the start is counted.
 _LINE = re.compile(
-    r"=\s*(?P<result>\([^=]*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) +
+    r"=\s*(?P<result>\(.*\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) +
     r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\]")
 

@@ -1,0 +1,88 @@
+"""Per-device memory and collectives, measured from the compiled step."""
+
+import jax
+import optax
+import pytest
+
+import zero_jax as zj
+from tests import _models as m
+from zero_jax import hlo
+from zero_jax.memory import (compiled_memory, paper_model_state_bytes,
+                             param_count, per_device_bytes)
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def gpt():
+  loss_fn, params, batches = m.gpt_setup(d_model=64, n_layers=2, seq_len=16,
+                                         batch=16, steps=1)
+  return loss_fn, params, batches[0]
+
+
+def _compile(gpt, stage):
+  loss_fn, params, batch = gpt
+  engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(stage=stage),
+                     zj.make_mesh(num_devices=N))
+  state = engine.init(params)
+  compiled = engine.step.lower(state, batch).compile()
+  return engine, state, compiled
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_state_bytes_within_paper_formula(gpt, stage):
+  _, params, batch = gpt
+  engine, state, compiled = _compile(gpt, stage)
+  psi = param_count(params)
+  mem = compiled_memory(compiled)
+  state_bytes = mem.argument - per_device_bytes(engine.shard_batch(batch))
+  # What the compiled step takes as its state is what the state holds.
+  assert state_bytes == per_device_bytes(state)
+  # fp32 training: 4-byte params and grads, K = 8 (Adam's two moments).
+  paper = paper_model_state_bytes(psi, N, stage, param_bytes=4, grad_bytes=4,
+                                  k=8)
+  assert state_bytes <= paper, (state_bytes, paper)
+  # The state is donated: outputs reuse the inputs' buffers.
+  assert mem.alias >= per_device_bytes(state.params)
+  if stage == 3:
+    # Master shard + two Adam moment shards, plus the few small replicated
+    # leaves (LayerNorm vectors, biases below min_shard_elements).
+    replicated = sum(lp.shape and int(jax.numpy.prod(jax.numpy.array(lp.shape)))
+                     or 1 for _, lp in engine.param_plan.rows()
+                     if not lp.sharded)
+    assert state_bytes <= 12 * psi / N + 12 * replicated + 64
+
+
+def _replicated_elements(engine):
+  total = 0
+  for _, lp in engine.param_plan.rows():
+    if not lp.sharded:
+      size = 1
+      for d in lp.shape:
+        size *= d
+      total += size
+  return total
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_are_reduce_scattered_not_all_reduced(gpt, stage):
+  _, params, _ = gpt
+  engine, _, compiled = _compile(gpt, stage)
+  psi = param_count(params)
+  ops = hlo.summarize(compiled.as_text())
+  all_reduce = ops.get("all-reduce", {}).get("elements", 0)
+  if stage == 0:
+    assert "reduce-scatter" not in ops
+    assert all_reduce >= psi  # the whole gradient is all-reduced
+    return
+  rep = _replicated_elements(engine)
+  sharded = psi - rep
+  # Every sharded gradient is reduce-scattered: the results are the shards.
+  assert ops["reduce-scatter"]["elements"] == sharded // N
+  # Only the small replicated leaves' gradients (and the loss) are
+  # all-reduced: nothing of the size of the model.
+  assert all_reduce <= rep + 16, (all_reduce, rep)
+  assert rep < 0.05 * psi
+  # Parameters are all-gathered once: after the update (stages 1-2) or
+  # where they are used (stage 3).
+  assert ops["all-gather"]["elements"] == sharded
