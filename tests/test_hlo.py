@@ -22,3 +22,27 @@ def test_parses_tuples_async_and_dtypes():
   assert ops[2].shapes == ((32, 8),) and ops[2].bytes == 256 * 2
   s = hlo.summarize(_TEXT)
   assert s["all-reduce"] == {"count": 1, "elements": 145, "bytes": 580}
+
+
+_LOOP = """
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag = f32[64]{0} all-gather(%x), dimensions={0}
+  %inner = (s32[], f32[8]) while(%t), condition=%cond2, body=%body2, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+%body2 (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %rs = f32[8]{0} reduce-scatter(%y), dimensions={0}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %ar = f32[4]{0} all-reduce(%a), to_apply=%add
+  %loop = (s32[], f32[8]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_loop_trip_counts_multiply():
+  s = hlo.summarize(_LOOP)
+  assert s["all-reduce"] == {"count": 1, "elements": 4, "bytes": 16}
+  assert s["all-gather"] == {"count": 4, "elements": 256, "bytes": 1024}
+  assert s["reduce-scatter"] == {"count": 12, "elements": 96, "bytes": 384}

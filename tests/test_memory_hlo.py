@@ -76,6 +76,42 @@ def test_gradients_are_reduce_scattered_not_all_reduced(gpt, stage):
   # all-reduced: nothing of the size of the model.
   assert all_reduce <= rep + 16, (all_reduce, rep)
   assert rep < 0.05 * psi
-  # Parameters are all-gathered once: after the update (stages 1-2) or
-  # where they are used (stage 3).
-  assert ops["all-gather"]["elements"] == sharded
+  # Parameters are all-gathered once after the update (stages 1-2); at
+  # stage 3 where they are used, and the scanned layers' again in backward
+  # (remat), so between once and twice.
+  if stage in (1, 2):
+    assert ops["all-gather"]["elements"] == sharded
+  else:
+    assert sharded < ops["all-gather"]["elements"] <= 2 * sharded
+
+
+def _measure(stage, n_layers, d_model=128):
+  loss_fn, params, batches = m.gpt_setup(d_model=d_model, n_layers=n_layers,
+                                         seq_len=16, batch=16, steps=1)
+  engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(stage=stage),
+                     zj.make_mesh(num_devices=N))
+  state = engine.init(params)
+  compiled = engine.step.lower(state, batches[0]).compile()
+  return param_count(params), compiled_memory(compiled)
+
+
+def test_stage3_peak_grows_only_by_the_added_layers_shards():
+  # Same layer size, twice the layers: with per-layer gathering the peak
+  # grows by the added layers' state shards (master + 2 Adam moments) and
+  # gradient shards (16 bytes/param / N), plus each added layer's saved
+  # input activation; not by their full parameters.
+  psi_l, mem_l = _measure(3, 4)
+  psi_2l, mem_2l = _measure(3, 8)
+  added = psi_2l - psi_l
+  saved_acts = 4 * (16 // N) * 16 * 128 * 4   # 4 layers x (B/N, T, d) fp32
+  growth = mem_2l.peak - mem_l.peak
+  assert growth <= 16 * added / N + saved_acts + 64 * 1024, (growth, added)
+  # Whole-model gathering would have grown it by at least the added full
+  # fp32 parameters.
+  assert growth < 4 * added
+
+
+def test_stage2_temp_saves_most_of_a_gradient_copy():
+  psi, mem1 = _measure(1, 4)
+  _, mem2 = _measure(2, 4)
+  assert mem1.temp - mem2.temp >= 0.7 * 4 * psi, (mem1.temp, mem2.temp, psi)

@@ -2,6 +2,7 @@
 
 from zero_jax.config import ZeroConfig
 from zero_jax.engine import Engine, TrainState
+from zero_jax.layers import REMAT_POLICIES, scan_layers
 from zero_jax.mesh import make_mesh
 from zero_jax.plan import LeafPlan, Plan, plan_leaf
 
@@ -9,8 +10,10 @@ __all__ = [
     "Engine",
     "LeafPlan",
     "Plan",
+    "REMAT_POLICIES",
     "TrainState",
     "ZeroConfig",
     "make_mesh",
     "plan_leaf",
+    "scan_layers",
 ]

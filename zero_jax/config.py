@@ -24,11 +24,17 @@ class ZeroConfig:
       leaf is listed by ``Engine.describe()``.
     seed: seed of the per-step, per-device PRNG key handed to ``loss_fn``
       when the engine is built with ``with_rng=True``.
+    remat: rematerialization policy of each layer run by
+      ``zero_jax.scan_layers``: ``"full"`` (save nothing, recompute the layer
+      and re-gather its parameters in backward; the default), ``"none"``
+      (keep everything, including stage 3's gathered parameters), or
+      ``"dots_saveable"`` (keep matmul outputs, not gathered parameters).
   """
 
   stage: int = 3
   min_shard_elements: int = 1024
   seed: int = 0
+  remat: str = "full"
 
   def __post_init__(self):
     if isinstance(self.stage, bool) or self.stage not in _STAGES:
@@ -36,6 +42,10 @@ class ZeroConfig:
           f"ZeroConfig.stage must be one of {_STAGES}, got {self.stage!r}. "
           "Use 0 for plain data parallelism, 1 to shard optimizer state, 2 to "
           "also shard gradients, 3 to also shard parameters.")
+    from zero_jax.layers import REMAT_POLICIES  # pylint: disable=g-import-not-at-top
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ZeroConfig.remat must be one of "
+                       f"{sorted(REMAT_POLICIES)}, got {self.remat!r}")
     if self.min_shard_elements < 0:
       raise ValueError(
           f"ZeroConfig.min_shard_elements must be >= 0, got "

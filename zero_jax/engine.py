@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import collectives
+from zero_jax import collectives, layers
 from zero_jax.config import ZeroConfig
 from zero_jax.mesh import DATA
 from zero_jax.plan import LeafPlan, Plan, path_str
@@ -269,11 +269,13 @@ class Engine:
         # the global batch.
         return loss / n, (loss, aux)
 
+      leaves = lambda t: jax.tree.leaves(t, is_leaf=is_plan)
       if stage in (0, 1):
         # Gradients stay local (pcast) until we reduce them all at once.
         x = jax.tree.map(lambda p: jax.lax.pcast(p, DATA, to="varying"),
                          params)
-        g, (loss, aux) = jax.grad(loss_of, has_aux=True)(x)
+        with layers._recording({}, self.config.remat):
+          g, (loss, aux) = jax.grad(loss_of, has_aux=True)(x)
         g = collectives.reduce_tree(plans, g)
       elif stage == 2:
         # Differentiate with respect to zero-valued stand-ins of each shard:
@@ -286,12 +288,18 @@ class Engine:
             plans, params, is_leaf=is_plan)
 
         def loss_of_shards(shards):
-          full = jax.tree.map(
-              lambda lp, s, p: (collectives.use_with_scattered_grad(
-                  lp, s, jax.lax.pcast(p, DATA, to="varying"))
-                                if lp.sharded else s),
-              plans, shards, params, is_leaf=is_plan)
-          return loss_of(full)
+          full, recorded = [], {}
+          for lp, s, p in zip(leaves(plans), leaves(shards), leaves(params)):
+            if lp.sharded:
+              src = jax.lax.pcast(p, DATA, to="varying")
+              f = collectives.use_with_scattered_grad(lp, s, src)
+              recorded[id(f)] = layers._Recorded("scatter", lp, s, src)
+            else:
+              f = s
+            full.append(f)
+          with layers._recording(recorded, self.config.remat):
+            return loss_of(jax.tree.unflatten(jax.tree.structure(params),
+                                              full))
 
         g, (loss, aux) = jax.grad(loss_of_shards, has_aux=True)(shards)
         g = jax.tree.map(lambda lp, x: x if lp.sharded else
@@ -300,9 +308,16 @@ class Engine:
         # Stage 3: gather at use; the gather's transpose reduce-scatters.
         # Replicated leaves are only marked varying; that mark's transpose
         # all-reduces their gradients.
-        g, (loss, aux) = jax.grad(
-            lambda p: loss_of(collectives.gather_tree(plans, p)),
-            has_aux=True)(params)
+        def loss_of_shards(p):
+          full = collectives.gather_tree(plans, p)
+          recorded = {
+              id(f): layers._Recorded("gather", lp, s)
+              for lp, f, s in zip(leaves(plans), leaves(full), leaves(p))
+              if lp.sharded}
+          with layers._recording(recorded, self.config.remat):
+            return loss_of(full)
+
+        g, (loss, aux) = jax.grad(loss_of_shards, has_aux=True)(params)
       loss = jax.lax.pmean(loss, DATA)
       aux = jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
       return g, loss, aux

@@ -1,8 +1,9 @@
-"""Collectives in a compiled step's HLO text.
+"""Collectives in a compiled step's HLO text, with loop trip counts.
 
 Counts each all-gather / reduce-scatter / all-reduce / all-to-all /
-collective-permute with its result shape. Collectives inside loop bodies are
-counted once per appearance in the text (trip counts are not applied here).
+collective-permute with its result shape. A collective inside a while loop
+(a scan over layers or micro-batches) is weighted by the loop's
+``known_trip_count``, nested loops multiplying, so totals are per step.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ class Collective:
     kind: e.g. ``"all-gather"``.
     shapes: result shapes (a tuple result has several).
     dtypes: result element types, HLO spelling (``f32``, ``bf16``).
-    elements: total result elements.
-    bytes: total result bytes.
+    elements: total result elements, per execution.
+    bytes: total result bytes, per execution.
+    executions: how often one step runs it (product of enclosing loops'
+      trip counts).
   """
 
   kind: str
@@ -44,39 +47,91 @@ class Collective:
   dtypes: tuple[str, ...]
   elements: int
   bytes: int
+  executions: int = 1
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s*\(")
+_WHILE_BODY = re.compile(r"\bbody=%(?P<name>[^\s,]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_CALLEE = re.compile(
+    r"\b(?:calls|to_apply|true_computation|false_computation)=%"
+    r"(?P<name>[^\s,]+)|\bbranch_computations=\{(?P<list>[^}]*)\}")
+
+
+def _parse(line: str, m: re.Match) -> Collective:
+  result = m.group("result")
+  shapes, dtypes, elements, nbytes = [], [], 0, 0
+  arrays = list(_ARRAY.finditer(result))
+  if m.group("start") and len(arrays) > 1:
+    # async start returns (operand, result): keep the result only.
+    arrays = arrays[len(arrays) // 2:]
+  for a in arrays:
+    dims = tuple(int(d) for d in a.group("dims").split(",") if d)
+    size = int(np.prod(dims, dtype=np.int64))
+    shapes.append(dims)
+    dtypes.append(a.group("dtype"))
+    elements += size
+    nbytes += size * _DTYPE_BYTES.get(a.group("dtype"), 4)
+  return Collective(m.group("kind"), tuple(shapes), tuple(dtypes), elements,
+                    nbytes)
 
 
 def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective in ``compiled.as_text()``, in order of appearance."""
-  out = []
+  """Every collective in ``compiled.as_text()``, with its executions/step."""
+  # Split into computations; remember each one's collectives and callees.
+  comps: dict[str, tuple[list[Collective], list[tuple[str, int]]]] = {}
+  entry, current = None, None
   for line in hlo_text.splitlines():
-    m = _LINE.search(line)
-    if not m:
+    h = _HEADER.match(line)
+    if h:
+      current = h.group("name")
+      comps[current] = ([], [])
+      if line.startswith("ENTRY"):
+        entry = current
       continue
-    result = m.group("result")
-    shapes, dtypes, elements, nbytes = [], [], 0, 0
-    arrays = list(_ARRAY.finditer(result))
-    if m.group("start") and len(arrays) > 1:
-      # async start returns (operand, result): keep the result only.
-      arrays = arrays[len(arrays) // 2:]
-    for a in arrays:
-      dims = tuple(int(d) for d in a.group("dims").split(",") if d)
-      size = int(np.prod(dims, dtype=np.int64))
-      shapes.append(dims)
-      dtypes.append(a.group("dtype"))
-      elements += size
-      nbytes += size * _DTYPE_BYTES.get(a.group("dtype"), 4)
-    out.append(Collective(m.group("kind"), tuple(shapes), tuple(dtypes),
-                          elements, nbytes))
+    if current is None:
+      continue
+    ops, callees = comps[current]
+    m = _LINE.search(line)
+    if m:
+      ops.append(_parse(line, m))
+    w = _WHILE_BODY.search(line)
+    if w and " while(" in line:
+      t = _TRIP.search(line)
+      # An unknown trip count is counted once (a lower bound).
+      callees.append((w.group("name"), int(t.group("n")) if t else 1))
+    for c in _CALLEE.finditer(line):
+      names = ([c.group("name")] if c.group("name") else
+               [x.strip().lstrip("%") for x in c.group("list").split(",")])
+      callees.extend((n, 1) for n in names if n)
+  if entry is None:  # a bare snippet: every line counts once.
+    return [op for ops, _ in comps.values() for op in ops] or [
+        _parse(line, m) for line in hlo_text.splitlines()
+        if (m := _LINE.search(line))]
+
+  executions: dict[str, int] = {}
+
+  def visit(name: str, times: int) -> None:
+    if name not in comps:
+      return
+    executions[name] = executions.get(name, 0) + times
+    for callee, n in comps[name][1]:
+      visit(callee, times * n)
+
+  visit(entry, 1)
+  out = []
+  for name, times in executions.items():
+    out.extend(dataclasses.replace(op, executions=times)
+               for op in comps[name][0])
   return out
 
 
 def summarize(hlo_text: str) -> dict[str, dict[str, int]]:
-  """{kind: {"count", "elements", "bytes"}} over every collective."""
+  """Per step: {kind: {"count", "elements", "bytes"}}, loops unrolled."""
   s: dict[str, dict[str, int]] = {}
   for c in collectives(hlo_text):
     d = s.setdefault(c.kind, {"count": 0, "elements": 0, "bytes": 0})
-    d["count"] += 1
-    d["elements"] += c.elements
-    d["bytes"] += c.bytes
+    d["count"] += c.executions
+    d["elements"] += c.elements * c.executions
+    d["bytes"] += c.bytes * c.executions
   return s

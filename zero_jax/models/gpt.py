@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zero_jax.layers import scan_layers
+
 # Names of the stacked per-layer parameters, in the order the block uses them.
 BLOCK_PARAMS = (
     "ln1_scale", "ln1_bias",
@@ -256,7 +258,9 @@ class GPT(nnx.Module):
       return h, None
 
     xs = (self.blocks.stacked(), jnp.arange(cfg.n_layers))
-    h, _ = jax.lax.scan(body, h, xs)
+    # scan_layers is lax.scan that, under a ZeRO engine, gathers (stage 3)
+    # or reduce-scatters the gradients of (stage 2) one layer at a time.
+    h, _ = scan_layers(body, h, xs)
 
     h = layer_norm(h, self.ln_f_scale[...], self.ln_f_bias[...])
     return (h @ self.head[...]).astype(jnp.float32)
