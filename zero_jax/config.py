@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from zero_jax.layers import REMAT_POLICIES
+
 _STAGES = (0, 1, 2, 3)
 
 
@@ -42,7 +44,6 @@ class ZeroConfig:
           f"ZeroConfig.stage must be one of {_STAGES}, got {self.stage!r}. "
           "Use 0 for plain data parallelism, 1 to shard optimizer state, 2 to "
           "also shard gradients, 3 to also shard parameters.")
-    from zero_jax.layers import REMAT_POLICIES  # pylint: disable=g-import-not-at-top
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ZeroConfig.remat must be one of "
                        f"{sorted(REMAT_POLICIES)}, got {self.remat!r}")
