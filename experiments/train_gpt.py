@@ -23,7 +23,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
                              ).strip()
 
 import argparse
+import dataclasses
 import glob
+import math
 import time
 
 import jax
@@ -45,6 +47,14 @@ VAL_FRACTION = 0.05
 def parse_args() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+  p.add_argument("--replica", type=int, default=1,
+                 help="replica groups: state sharded inside each group of "
+                 "devices // replica devices, replicated across groups")
+  p.add_argument("--compute-dtype", default=None,
+                 choices=("bfloat16", "float16"),
+                 help="forward/backward and gathered params in this dtype "
+                 "(fp32 master weights and optimizer state)")
+  p.add_argument("--remat", default="full", choices=sorted(zj.REMAT_POLICIES))
   p.add_argument("--devices", type=int, default=None,
                  help="devices on the data axis (default: all visible)")
   p.add_argument("--steps", type=int, default=200)
@@ -123,38 +133,52 @@ def mib(n: float) -> str:
   return f"{n / 2**20:.2f}"
 
 
-def memory_table(loss_fn, tx, params, batch, mesh, plot_path=None) -> None:
+def memory_table(loss_fn, tx, params, batch, mesh, config,
+                 plot_path=None) -> None:
   """Compiles the step at every stage and prints per-device memory."""
   n = mesh.shape[DATA]
   psi = param_count(params)
   rows = []
   for stage in range(4):
-    engine = zj.Engine(loss_fn, tx, zj.ZeroConfig(stage=stage), mesh)
+    engine = zj.Engine(loss_fn, tx, dataclasses.replace(config, stage=stage),
+                       mesh)
     state = engine.init(params)
     compiled = engine.step.lower(state, batch).compile()
     mem = compiled_memory(compiled)
     measured = mem.argument - per_device_bytes(engine.shard_batch(batch))
-    paper = paper_model_state_bytes(psi, n, stage, param_bytes=4,
-                                    grad_bytes=4, k=8)
-    rows.append((stage, measured, per_device_bytes(state), paper, mem.temp,
-                 mem.peak))
+    # The paper's mixed-precision formula (2-byte params and grads, K = 12)
+    # with a compute dtype, its fp32 form (4, 4, K = 8) without.
+    low = config.compute_dtype is not None
+    paper = paper_model_state_bytes(psi, n, stage, param_bytes=2 if low else 4,
+                                    grad_bytes=2 if low else 4,
+                                    k=12 if low else 8)
+    # zero_jax's analytic model of its own layouts, told which leaves stay
+    # replicated (small or indivisible).
+    replicated = sum(math.prod(lp.shape) for _, lp in engine.param_plan.rows()
+                     if not lp.sharded)
+    est = zj.estimate_memory(psi, mesh.size, stage, optimizer="adamw",
+                             compute_dtype=config.compute_dtype,
+                             replica=mesh.size // n, replicated=replicated)
+    rows.append((stage, measured, est.persistent, paper, mem.temp, mem.peak))
     for x in jax.tree.leaves(state):
       x.delete()
 
   print(f"\nPer-device memory of the compiled train step, Ψ = {psi:,} "
         f"parameters, N = {n} devices (MiB)")
   head = (f"{'stage':>5} | {'Ψ':>9} | {'state (measured)':>16} | "
-          f"{'state (arrays)':>14} | {'paper fp32':>10} | {'ratio':>5} | "
+          f"{'state (estimate)':>16} | {'paper':>10} | {'ratio':>5} | "
           f"{'temp':>7} | {'peak':>7}")
   print(head)
   print("-" * len(head))
-  for stage, measured, arrays, paper, temp, peak in rows:
-    print(f"{stage:>5} | {psi:>9,} | {mib(measured):>16} | {mib(arrays):>14} "
+  for stage, measured, estimate, paper, temp, peak in rows:
+    print(f"{stage:>5} | {psi:>9,} | {mib(measured):>16} | {mib(estimate):>16} "
           f"| {mib(paper):>10} | {measured / paper:>5.2f} | {mib(temp):>7} | "
           f"{mib(peak):>7}")
   print("state (measured) = compiled argument bytes - batch bytes; "
-        "state (arrays) = bytes of the TrainState's shards.\n"
-        "paper fp32 = (4Ψ params + 4Ψ grads + 8Ψ Adam) split per stage; "
+        "state (estimate) = zero_jax.estimate_memory (params + optimizer "
+        "state).\n"
+        "paper = the paper's formula (fp32: 4Ψ params + 4Ψ grads + 8Ψ Adam; "
+        "with a compute dtype: 2Ψ + 2Ψ + 12Ψ) split per stage; "
         "gradients are step temporaries here, so they show up in temp, not "
         "in the state.")
 
@@ -188,8 +212,8 @@ def memory_table(loss_fn, tx, params, batch, mesh, plot_path=None) -> None:
 def main() -> None:
   args = parse_args()
   t_start = time.perf_counter()
-  mesh = zj.make_mesh(num_devices=args.devices)
-  n = mesh.shape[DATA]
+  mesh = zj.make_mesh(num_devices=args.devices, replica=args.replica)
+  n = mesh.size
 
   data = load_stdlib_bytes()
   split = int(len(data) * (1 - VAL_FRACTION))
@@ -203,7 +227,13 @@ def main() -> None:
   loss_fn = make_loss_fn(graphdef)
   tx = make_optimizer(args)
 
-  engine = zj.Engine(loss_fn, tx, zj.ZeroConfig(stage=args.stage), mesh)
+  # The named remat policies act on the activations the GPT tags.
+  names = (("attn_output", "mlp_hidden")
+           if args.remat in ("save_only_named", "offload_to_host") else ())
+  zero_config = zj.ZeroConfig(stage=args.stage, remat=args.remat,
+                              remat_names=names,
+                              compute_dtype=args.compute_dtype)
+  engine = zj.Engine(loss_fn, tx, zero_config, mesh)
   state = engine.init(params)
 
   print(f"devices: {n} x {jax.devices()[0].platform} "
@@ -279,7 +309,7 @@ def main() -> None:
   # ---------------------------------------------------------- memory table
   if not args.skip_memory_table:
     batch = get_batch(train_data, args.batch_size, args.seq_len, np_rng)
-    memory_table(loss_fn, tx, params, batch, mesh, args.plot)
+    memory_table(loss_fn, tx, params, batch, mesh, zero_config, args.plot)
   print(f"\ntotal {time.perf_counter() - t_start:.1f}s")
 
 

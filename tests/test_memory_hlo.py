@@ -1,5 +1,6 @@
 """Per-device memory and collectives, measured from the compiled step."""
 
+import functools
 import math
 
 import optax
@@ -8,8 +9,9 @@ import pytest
 import zero_jax as zj
 from tests import _models as m
 from zero_jax import hlo
-from zero_jax.memory import (compiled_memory, paper_model_state_bytes,
-                             param_count, per_device_bytes)
+from zero_jax.memory import (compiled_memory, estimate_activations,
+                             paper_model_state_bytes, param_count,
+                             per_device_bytes)
 
 N = 8
 
@@ -85,6 +87,7 @@ def test_gradients_are_reduce_scattered_not_all_reduced(gpt, stage):
     assert sharded < ops["all-gather"]["elements"] <= 2 * sharded
 
 
+@functools.cache
 def _measure(stage, n_layers, d_model=128):
   loss_fn, params, batches = m.gpt_setup(d_model=d_model, n_layers=n_layers,
                                          seq_len=16, batch=16, steps=1)
@@ -93,6 +96,22 @@ def _measure(stage, n_layers, d_model=128):
   state = engine.init(params)
   compiled = engine.step.lower(state, batches[0]).compile()
   return param_count(params), compiled_memory(compiled)
+
+
+@pytest.mark.parametrize("n_layers", [4, 8])
+def test_stage3_peak_within_state_plus_two_layers_plus_activations(n_layers):
+  # The issue's bound: 16 bytes/param over N (fp32 master + 2 Adam moments +
+  # the gradient shard), plus the working set of two layers (their full fp32
+  # parameters and gradients), plus activations (the estimate for per-layer
+  # remat: saved layer inputs, one layer's working set, logits).
+  d, seq, batch = 128, 16, 16
+  psi, mem = _measure(3, n_layers, d_model=d)
+  layer = 12 * d * d + 13 * d
+  acts = estimate_activations(layers=n_layers, hidden=d, seq_len=seq,
+                              micro_batch=batch // N, heads=4, vocab=64,
+                              bytes_per_element=4, remat="full")
+  bound = 16 * psi / N + 2 * 8 * layer + acts
+  assert mem.peak <= bound, (mem.peak, bound)
 
 
 def test_stage3_peak_grows_only_by_the_added_layers_shards():

@@ -2,7 +2,11 @@
 
 from zero_jax.config import ZeroConfig
 from zero_jax.engine import Engine, TrainState
-from zero_jax.layers import REMAT_POLICIES, scan_layers
+from zero_jax.flax_layers import scan_linen, scan_nnx
+from zero_jax.layers import (REMAT_POLICIES, checkpoint_name, remat_policy,
+                             scan_layers)
+from zero_jax.memory import (estimate_activations, estimate_comm,
+                             estimate_memory)
 from zero_jax.mesh import make_mesh
 from zero_jax.plan import LeafPlan, Plan, plan_leaf
 
@@ -13,7 +17,14 @@ __all__ = [
     "REMAT_POLICIES",
     "TrainState",
     "ZeroConfig",
+    "checkpoint_name",
+    "estimate_activations",
+    "estimate_comm",
+    "estimate_memory",
     "make_mesh",
     "plan_leaf",
+    "remat_policy",
     "scan_layers",
+    "scan_linen",
+    "scan_nnx",
 ]

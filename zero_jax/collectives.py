@@ -2,7 +2,14 @@
 
 Every function here takes a ``LeafPlan`` (or a tree of them) and does the
 right thing for a sharded leaf (gather / reduce-scatter along its split
-dimension) and for a replicated one (nothing / all-reduce).
+dimension) and for a replicated one (nothing / all-reduce). On a 2-D
+``(replica, data)`` mesh, gradients are reduce-scattered inside the group and
+then the *shards* are all-reduced across groups (the cheap order: Ψ/N
+elements cross the slow links, not Ψ).
+
+Mixed precision: ``compute_dtype`` is the dtype parameters are gathered and
+used in (half the bytes of fp32 for bf16/fp16); ``reduce_dtype`` the dtype
+gradients are summed in. ``None`` keeps the array's own dtype.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zero_jax.mesh import DATA
+from zero_jax.mesh import DATA, replica_axes
 from zero_jax.plan import LeafPlan
 
 
@@ -20,57 +27,119 @@ def _is_plan(x) -> bool:
   return isinstance(x, LeafPlan)
 
 
-def gather_leaf(lp: LeafPlan, x: jax.Array) -> jax.Array:
-  """All-gathers a sharded leaf into its full value; a replicated leaf is
-  only marked device-varying. Under autodiff the gather's transpose is a
-  reduce-scatter and the mark's transpose an all-reduce, so gradients come
-  back reduced in the leaf's own layout."""
-  if lp.sharded:
-    return jax.lax.all_gather(x, DATA, axis=lp.dim, tiled=True)
-  return jax.lax.pcast(x, DATA, to="varying")
+def _cast(x: jax.Array, dtype) -> jax.Array:
+  return x if dtype is None else x.astype(dtype)
 
 
-def reduce_leaf(lp: LeafPlan, g: jax.Array) -> jax.Array:
+def _to_replica_varying(x: jax.Array) -> jax.Array:
+  # Marking the shard varying over ``replica`` *before* the gather makes the
+  # transpose all-reduce the reduce-scattered shard across groups, not the
+  # full gradient.
+  axes = replica_axes()
+  return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _scatter_grad(dim: int, g: jax.Array, reduce_dtype, out_dtype):
+  """Reduce-scatter over ``data``, then all-reduce across replica groups."""
+  g = jax.lax.psum_scatter(_cast(g, reduce_dtype), DATA,
+                           scatter_dimension=dim, tiled=True)
+  axes = replica_axes()
+  if axes:
+    g = jax.lax.psum(g, axes)
+  return g.astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gather_mixed(dim: int, compute_dtype, reduce_dtype, x: jax.Array):
+  return jax.lax.all_gather(_to_replica_varying(x).astype(compute_dtype),
+                            DATA, axis=dim, tiled=True)
+
+
+def _gather_mixed_fwd(dim, compute_dtype, reduce_dtype, x):
+  # Only the dtype of x is needed in backward; a zero-size residual keeps it
+  # without saving the shard.
+  return (_gather_mixed(dim, compute_dtype, reduce_dtype, x),
+          jnp.zeros((0,), x.dtype))
+
+
+def _gather_mixed_bwd(dim, compute_dtype, reduce_dtype, res, g):
+  return (_scatter_grad(dim, g, reduce_dtype, res.dtype),)
+
+
+_gather_mixed.defvjp(_gather_mixed_fwd, _gather_mixed_bwd)
+
+
+def gather_leaf(lp: LeafPlan, x: jax.Array, compute_dtype=None,
+                reduce_dtype=None) -> jax.Array:
+  """The full value of a leaf from its shard, in ``compute_dtype``.
+
+  A sharded leaf is cast, then all-gathered (so a bf16 gather moves half the
+  bytes of fp32); a replicated one is only marked device-varying and cast.
+  Under autodiff the gradient comes back reduced in the leaf's own layout and
+  dtype: reduce-scatter (in ``reduce_dtype``) for a sharded leaf, all-reduce
+  for a replicated one.
+  """
+  if not lp.sharded:
+    # pcast first, cast second: the all-reduce (pcast's transpose) then runs
+    # on the fp32 cotangent.
+    return _cast(jax.lax.pcast(x, jax.sharding.get_abstract_mesh().axis_names,
+                               to="varying"), compute_dtype)
+  if compute_dtype is None and reduce_dtype is None:
+    # Plain autodiff: all_gather's transpose is psum_scatter.
+    return jax.lax.all_gather(_to_replica_varying(x), DATA, axis=lp.dim,
+                              tiled=True)
+  return _gather_mixed(lp.dim, compute_dtype or x.dtype, reduce_dtype, x)
+
+
+def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
+                out_dtype=None) -> jax.Array:
   """Sums a local full gradient over devices into the leaf's layout:
   reduce-scatter along the split dimension, or all-reduce if replicated."""
+  out_dtype = out_dtype or g.dtype
   if lp.sharded:
-    return jax.lax.psum_scatter(g, DATA, scatter_dimension=lp.dim, tiled=True)
-  return jax.lax.psum(g, DATA)
+    return _scatter_grad(lp.dim, g, reduce_dtype, out_dtype)
+  axes = jax.sharding.get_abstract_mesh().axis_names
+  return jax.lax.psum(_cast(g, reduce_dtype), axes).astype(out_dtype)
 
 
-def gather_tree(plans, tree):
-  return jax.tree.map(gather_leaf, plans, tree, is_leaf=_is_plan)
+def gather_tree(plans, tree, compute_dtype=None, reduce_dtype=None):
+  return jax.tree.map(
+      lambda lp, x: gather_leaf(lp, x, compute_dtype, reduce_dtype),
+      plans, tree, is_leaf=_is_plan)
 
 
-def reduce_tree(plans, tree):
-  return jax.tree.map(reduce_leaf, plans, tree, is_leaf=_is_plan)
+def reduce_tree(plans, tree, reduce_dtype=None, out_dtype=None):
+  return jax.tree.map(
+      lambda lp, g: reduce_leaf(lp, g, reduce_dtype, out_dtype),
+      plans, tree, is_leaf=_is_plan)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scatter_on_backward(dim: int, shard: jax.Array, full: jax.Array):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scatter_on_backward(dim: int, reduce_dtype, shard: jax.Array,
+                         full: jax.Array):
   del shard
   return full
 
 
-def _scatter_fwd(dim, shard, full):
-  del dim, shard
-  return full, None
+def _scatter_fwd(dim, reduce_dtype, shard, full):
+  del dim, reduce_dtype
+  return full, jnp.zeros((0,), shard.dtype)
 
 
-def _scatter_bwd(dim, _, g):
+def _scatter_bwd(dim, reduce_dtype, res, g):
   # The cotangent of the full copy is reduce-scattered right where backward
   # produces it and becomes the cotangent of the shard; the full copy itself
   # gets none (it is not what we differentiate with respect to).
-  return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim,
-                              tiled=True), jnp.zeros_like(g)
+  return (_scatter_grad(dim, g, reduce_dtype, res.dtype), jnp.zeros_like(g))
 
 
 _scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)
 
 
 def use_with_scattered_grad(lp: LeafPlan, shard: jax.Array,
-                            full: jax.Array) -> jax.Array:
+                            full: jax.Array, reduce_dtype=None) -> jax.Array:
   """Returns ``full`` (a device-varying replicated copy) such that the
   gradient with respect to ``shard`` is the reduce-scattered gradient of
-  ``full``, computed as soon as backward reaches this use (ZeRO-2)."""
-  return _scatter_on_backward(lp.dim, shard, full)
+  ``full`` (summed in ``reduce_dtype``, returned in ``shard``'s dtype),
+  computed as soon as backward reaches this use (ZeRO-2)."""
+  return _scatter_on_backward(lp.dim, reduce_dtype, shard, full)

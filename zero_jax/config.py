@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from zero_jax.layers import REMAT_POLICIES
+import jax.numpy as jnp
+
+from zero_jax.layers import NAMED_POLICIES, REMAT_POLICIES
 
 _STAGES = (0, 1, 2, 3)
+_COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,16 +30,32 @@ class ZeroConfig:
     seed: seed of the per-step, per-device PRNG key handed to ``loss_fn``
       when the engine is built with ``with_rng=True``.
     remat: rematerialization policy of each layer run by
-      ``zero_jax.scan_layers``: ``"full"`` (save nothing, recompute the layer
-      and re-gather its parameters in backward; the default), ``"none"``
-      (keep everything, including stage 3's gathered parameters), or
-      ``"dots_saveable"`` (keep matmul outputs, not gathered parameters).
+      ``zero_jax.scan_layers`` (see ``REMAT_POLICIES``): ``"full"`` (save
+      nothing, recompute the layer and re-gather its parameters in backward;
+      the default), ``"none"`` (keep everything, including stage 3's gathered
+      parameters), ``"dots_saveable"`` (keep matmul outputs, not gathered
+      parameters), ``"save_only_named"`` (keep the activations tagged with
+      ``zero_jax.checkpoint_name`` for a name in ``remat_names``) or
+      ``"offload_to_host"`` (move those to host memory until backward).
+    remat_names: the ``checkpoint_name`` tags the named policies act on.
+    compute_dtype: dtype of forward/backward and of the communicated
+      parameters (``"bfloat16"``, ``"float16"``; None: float32 throughout).
+      Master parameters and optimizer state stay float32; at stages 1-2 a
+      replicated compute-dtype copy of the parameters is kept for forward
+      and refreshed by an all-gather in the compute dtype after each update.
+    reduce_dtype: dtype gradients are summed in across devices. None (the
+      default) sums in float32 whatever the compute dtype: exact sums cost
+      twice the reduce-scatter bytes of bf16; set ``"bfloat16"`` to halve
+      them.
   """
 
   stage: int = 3
   min_shard_elements: int = 1024
   seed: int = 0
   remat: str = "full"
+  remat_names: tuple[str, ...] = ()
+  compute_dtype: str | None = None
+  reduce_dtype: str | None = None
 
   def __post_init__(self):
     if isinstance(self.stage, bool) or self.stage not in _STAGES:
@@ -47,6 +66,28 @@ class ZeroConfig:
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ZeroConfig.remat must be one of "
                        f"{sorted(REMAT_POLICIES)}, got {self.remat!r}")
+    if isinstance(self.remat_names, str):
+      raise ValueError("ZeroConfig.remat_names must be a tuple of names, got "
+                       f"the string {self.remat_names!r}; write "
+                       f"({self.remat_names!r},)")
+    object.__setattr__(self, "remat_names", tuple(self.remat_names))
+    if self.remat in NAMED_POLICIES and not self.remat_names:
+      raise ValueError(
+          f"ZeroConfig(remat={self.remat!r}) needs remat_names: the "
+          "zero_jax.checkpoint_name tags of the activations to keep, e.g. "
+          "remat_names=('mlp_hidden',)")
+    for name in ("compute_dtype", "reduce_dtype"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      try:
+        canonical = jnp.dtype(value).name
+      except TypeError:
+        canonical = None
+      if canonical not in _COMPUTE_DTYPES:
+        raise ValueError(f"ZeroConfig.{name} must be None or one of "
+                         f"{_COMPUTE_DTYPES}, got {value!r}")
+      object.__setattr__(self, name, canonical)
     if self.min_shard_elements < 0:
       raise ValueError(
           f"ZeroConfig.min_shard_elements must be >= 0, got "

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import collectives, layers
 from zero_jax.config import ZeroConfig
-from zero_jax.mesh import DATA
+from zero_jax.mesh import DATA, REPLICA, batch_axes
 from zero_jax.plan import LeafPlan, Plan, path_str
 
 
@@ -26,19 +26,24 @@ class TrainState:
   Attributes:
     step: number of steps taken (int32 scalar, replicated).
     params: fp32 master parameters, in the structure given to
-      ``Engine.init``. Stage 0: replicated. Stage 3: sharded. Stages 1-2:
-      replicated, because with fp32 compute the replicated compute copy *is*
-      the master copy; the update slices each device's shard out of it, so no
-      second (sharded) copy is stored.
+      ``Engine.init``. Stage 0: replicated. Stage 3: sharded. Stages 1-2 with
+      fp32 compute: replicated, because the replicated compute copy *is* the
+      master copy; the update slices each device's shard out of it, so no
+      second (sharded) copy is stored. Stages 1-2 with a ``compute_dtype``:
+      sharded.
     opt_state: optimizer state, every leaf laid out by its shape (sharded at
       stages 1-3, replicated at stage 0).
     rng: base PRNG key (replicated); step keys are derived from it.
+    compute_params: stages 1-2 with a ``compute_dtype`` only (else None): the
+      replicated compute-dtype copy of ``params`` that forward uses,
+      refreshed by an all-gather after every update.
   """
 
   step: jax.Array
   params: Any
   opt_state: Any
   rng: jax.Array
+  compute_params: Any = None
 
 
 class _StepFunction:
@@ -88,7 +93,9 @@ class Engine:
       ordinary jit code, so global operations (norms, factored statistics)
       are exact.
     config: the ZeRO config.
-    mesh: a mesh with a ``data`` axis, from ``make_mesh``.
+    mesh: a mesh from ``make_mesh``: a ``data`` axis (state is sharded over
+      it), optionally inside a ``replica`` axis (state replicated across it,
+      gradient shards all-reduced across it).
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux (a pytree of arrays)
       is averaged over devices into the step's metrics under ``"aux"``.
     with_rng: ``loss_fn`` takes a third argument, a PRNG key that differs on
@@ -109,6 +116,18 @@ class Engine:
     self.has_aux = has_aux
     self.with_rng = with_rng
     self.n = mesh.shape[DATA]
+    self.replica = dict(mesh.shape).get(REPLICA, 1)
+    self.axes = batch_axes(mesh)
+    self.num_devices = self.n * self.replica
+    cd = config.compute_dtype
+    self._cd = None if cd in (None, "float32") else jnp.dtype(cd)
+    rd = config.reduce_dtype
+    # Gradients are summed in fp32 unless asked otherwise (see ZeroConfig).
+    self._rd = (jnp.dtype(rd) if rd is not None else
+                jnp.dtype(jnp.float32) if self._cd is not None else None)
+    # Stages 1-2 with low-precision compute keep a replicated compute copy
+    # next to the sharded fp32 master (the paper's layout).
+    self._keep_compute = config.stage in (1, 2) and self._cd is not None
     self._jitted = None
     self.step = _StepFunction(self)
     self.param_plan: Plan | None = None
@@ -118,6 +137,10 @@ class Engine:
 
   def _sharding(self, spec: P) -> NamedSharding:
     return NamedSharding(self.mesh, spec)
+
+  @property
+  def _batch_spec(self) -> P:
+    return P(self.axes if len(self.axes) > 1 else DATA)
 
   def _build(self, params: Any) -> None:
     cfg = self.config
@@ -136,16 +159,19 @@ class Engine:
     opt_shapes = jax.eval_shape(self.tx.init, master)
     self.opt_plan = Plan(opt_shapes, self.mesh, cfg.stage,
                          cfg.min_shard_elements)
-    # Stages 1-2 keep the (fp32) compute copy replicated: it is the master.
-    if cfg.stage in (1, 2):
-      param_shardings = jax.tree.map(lambda _: self._sharding(P()), master)
+    replicated_tree = jax.tree.map(lambda _: self._sharding(P()), master)
+    # Stages 1-2 with fp32 compute keep the compute copy replicated: it is
+    # the master.
+    if cfg.stage == 0 or (cfg.stage in (1, 2) and not self._keep_compute):
+      param_shardings = replicated_tree
     else:
       param_shardings = self.param_plan.shardings
     replicated = self._sharding(P())
-    self.state_shardings = TrainState(step=replicated, params=param_shardings,
-                                      opt_state=self.opt_plan.shardings,
-                                      rng=replicated)
-    self._batch_sharding = self._sharding(P(DATA))
+    self.state_shardings = TrainState(
+        step=replicated, params=param_shardings,
+        opt_state=self.opt_plan.shardings, rng=replicated,
+        compute_params=replicated_tree if self._keep_compute else None)
+    self._batch_sharding = self._sharding(self._batch_spec)
     self._jitted = jax.jit(self._train_step, donate_argnums=0,
                            out_shardings=(self.state_shardings, replicated))
 
@@ -167,9 +193,12 @@ class Engine:
 
     def make(p):
       master = jax.tree.map(lambda x: x.astype(jnp.float32), p)
+      compute = (jax.tree.map(lambda x: x.astype(self._cd), master)
+                 if self._keep_compute else None)
       return TrainState(step=jnp.zeros((), jnp.int32), params=master,
                         opt_state=self.tx.init(master),
-                        rng=jax.random.PRNGKey(self.config.seed))
+                        rng=jax.random.PRNGKey(self.config.seed),
+                        compute_params=compute)
 
     # Straight into the final layout (no device ever holds a full copy of a
     # sharded leaf), and always a copy (may_alias=False): later steps donate
@@ -215,7 +244,12 @@ class Engine:
     if self.param_plan is None:
       raise RuntimeError("call engine.init(params) before engine.describe()")
     n = self.n
-    lines = [f"ZeRO stage {self.config.stage} over {n} device(s) on '{DATA}'",
+    where_ = f"{n} device(s) on '{DATA}'"
+    if self.replica > 1:
+      where_ += f", replicated over {self.replica} '{REPLICA}' groups"
+    dtype = self.config.compute_dtype or "float32"
+    lines = [f"ZeRO stage {self.config.stage} over {where_}; compute in "
+             f"{dtype}, master and optimizer state in float32",
              f"{'parameter':<40} {'shape':<18} layout"]
     replicated = []
     for path, lp in self.param_plan.rows():
@@ -230,7 +264,10 @@ class Engine:
                  f"parameter leaves replicated: {replicated or 'none'}")
     lines.append(f"optimizer state: {len(self.opt_plan.rows())} leaves, "
                  f"{n_rep} replicated (scalars, small or indivisible)")
-    if self.config.stage in (1, 2):
+    if self._keep_compute:
+      lines.append(f"stages 1-2: fp32 master sharded, a replicated {dtype} "
+                   "copy for compute, all-gathered after each update")
+    elif self.config.stage in (1, 2):
       lines.append("stages 1-2: parameters replicated for compute; each "
                    "device updates only its shard")
     return "\n".join(lines)
@@ -245,100 +282,120 @@ class Engine:
     if not shape:
       raise ValueError("batch leaves need a leading batch dimension; got a "
                        "scalar")
-    if global_size % self.n:
+    n = self.num_devices
+    if global_size % n:
       raise ValueError(
           f"global batch size {global_size} is not divisible by the "
-          f"{self.n} devices of the mesh; use a global batch that is a "
-          f"multiple of {self.n} (e.g. {max(1, global_size // self.n) * self.n}"
-          ").")
+          f"{n} devices of the mesh; use a global batch that is a "
+          f"multiple of {n} (e.g. {max(1, global_size // n) * n}).")
 
-  def _loss_and_grads(self, params, batch, rng):
-    """Per-device loss and gradients, reduced into the ZeRO layout."""
-    stage, n = self.config.stage, self.n
+  def _loss_and_grads(self, params, compute_params, batch, rng):
+    """Per-device loss and gradients, reduced into the ZeRO layout.
+
+    Gradients come back in float32 whatever the compute dtype.
+    """
+    cfg = self.config
+    stage, axes, cd, rd = cfg.stage, self.axes, self._cd, self._rd
     plans = self.param_plan.leaves
     is_plan = lambda x: isinstance(x, LeafPlan)
+    leaves = lambda t: jax.tree.leaves(t, is_leaf=is_plan)
+    varying = lambda x: jax.lax.pcast(x, axes, to="varying")
+    cast = lambda t: t if cd is None else jax.tree.map(
+        lambda x: x.astype(cd), t)
+    record = lambda recorded: layers._recording(recorded, cfg.remat,
+                                                cfg.remat_names)
 
-    def local(params, batch, rng):
-      key = jax.random.fold_in(rng, jax.lax.axis_index(DATA))
+    def local(params, compute_params, batch, rng):
+      key = jax.random.fold_in(rng, jax.lax.axis_index(axes))
 
       def loss_of(full):
         args = (full, batch, key) if self.with_rng else (full, batch)
         out = self.loss_fn(*args)
         loss, aux = out if self.has_aux else (out, None)
-        # Scaling by 1/n makes the summed (reduced) gradient the mean over
-        # the global batch.
-        return loss / n, (loss, aux)
+        # Scaling by 1/devices makes the summed (reduced) gradient the mean
+        # over the global batch.
+        return loss / self.num_devices, (loss, aux)
 
-      leaves = lambda t: jax.tree.leaves(t, is_leaf=is_plan)
       if stage in (0, 1):
         # Gradients stay local (pcast) until we reduce them all at once.
-        x = jax.tree.map(lambda p: jax.lax.pcast(p, DATA, to="varying"),
-                         params)
-        with layers._recording({}, self.config.remat):
-          g, (loss, aux) = jax.grad(loss_of, has_aux=True)(x)
-        g = collectives.reduce_tree(plans, g)
+        source = compute_params if self._keep_compute else params
+        x = jax.tree.map(varying, source)
+        with record({}):
+          g, (loss, aux) = jax.grad(lambda x: loss_of(cast(x)),
+                                    has_aux=True)(x)
+        g = collectives.reduce_tree(plans, g, rd, jnp.float32)
       elif stage == 2:
         # Differentiate with respect to zero-valued stand-ins of each shard:
         # each leaf's gradient is reduce-scattered as backward produces it.
+        # Replicated leaves are differentiated directly (their gradient is
+        # all-reduced by pcast's transpose).
+        source = compute_params if self._keep_compute else params
         shards = jax.tree.map(
-            lambda lp, p: (jax.lax.pcast(jnp.zeros(lp.local_shape(n), p.dtype),
+            lambda lp, p: (jax.lax.pcast(jnp.zeros(lp.local_shape(self.n),
+                                                   jnp.float32),
                                          DATA, to="varying")
-                           if lp.sharded else
-                           jax.lax.pcast(p, DATA, to="varying")),
+                           if lp.sharded else varying(p)),
             plans, params, is_leaf=is_plan)
 
         def loss_of_shards(shards):
           full, recorded = [], {}
-          for lp, s, p in zip(leaves(plans), leaves(shards), leaves(params)):
+          for lp, s, src in zip(leaves(plans), leaves(shards), leaves(source)):
             if lp.sharded:
-              src = jax.lax.pcast(p, DATA, to="varying")
-              f = collectives.use_with_scattered_grad(lp, s, src)
-              recorded[id(f)] = layers._Recorded("scatter", lp, s, src)
+              src = varying(src)
+              f = collectives.use_with_scattered_grad(lp, s, src, rd)
+              recorded[id(f)] = layers._Recorded("scatter", lp, s, src,
+                                                 cd, rd)
             else:
-              f = s
+              f = s if cd is None else s.astype(cd)
             full.append(f)
-          with layers._recording(recorded, self.config.remat):
+          with record(recorded):
             return loss_of(jax.tree.unflatten(jax.tree.structure(params),
                                               full))
 
         g, (loss, aux) = jax.grad(loss_of_shards, has_aux=True)(shards)
         g = jax.tree.map(lambda lp, x: x if lp.sharded else
-                         jax.lax.psum(x, DATA), plans, g, is_leaf=is_plan)
+                         jax.lax.psum(x, axes), plans, g, is_leaf=is_plan)
       else:
         # Stage 3: gather at use; the gather's transpose reduce-scatters.
         # Replicated leaves are only marked varying; that mark's transpose
         # all-reduces their gradients.
         def loss_of_shards(p):
-          full = collectives.gather_tree(plans, p)
+          full = collectives.gather_tree(plans, p, cd, rd)
           recorded = {
-              id(f): layers._Recorded("gather", lp, s)
+              id(f): layers._Recorded("gather", lp, s, None, cd, rd)
               for lp, f, s in zip(leaves(plans), leaves(full), leaves(p))
               if lp.sharded}
-          with layers._recording(recorded, self.config.remat):
+          with record(recorded):
             return loss_of(full)
 
         g, (loss, aux) = jax.grad(loss_of_shards, has_aux=True)(params)
-      loss = jax.lax.pmean(loss, DATA)
-      aux = jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
+      loss = jax.lax.pmean(loss, axes)
+      aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
       return g, loss, aux
 
-    in_params = (self.param_plan.specs if stage == 3 else
-                 self.param_plan.replicated_specs)
-    grad_specs = (self.param_plan.replicated_specs if stage == 0 else
-                  self.param_plan.specs)
+    replicated = self.param_plan.replicated_specs
+    sharded_master = stage == 3 or self._keep_compute
+    in_params = self.param_plan.specs if sharded_master else replicated
+    in_compute = replicated if self._keep_compute else None
+    grad_specs = replicated if stage == 0 else self.param_plan.specs
     fn = jax.shard_map(local, mesh=self.mesh,
-                       in_specs=(in_params, P(DATA), P()),
+                       in_specs=(in_params, in_compute, self._batch_spec, P()),
                        out_specs=(grad_specs, P(), P()))
-    return fn(params, batch, rng)
+    return fn(params, compute_params, batch, rng)
 
-  def _gather_replicated(self, tree):
-    """Explicit all-gather of sharded leaves into replicated copies."""
+  def _gather_replicated(self, tree, dtype=None):
+    """Explicit all-gather of sharded leaves into replicated copies, cast to
+    ``dtype`` first (so a bf16 copy moves half the bytes)."""
     plans = self.param_plan.leaves
+
+    def gather(lp, x):
+      x = x if dtype is None else x.astype(dtype)
+      return (jax.lax.all_gather(x, DATA, axis=lp.dim, tiled=True)
+              if lp.sharded else x)
+
     fn = jax.shard_map(
-        lambda t: jax.tree.map(
-            lambda lp, x: (jax.lax.all_gather(x, DATA, axis=lp.dim, tiled=True)
-                           if lp.sharded else x),
-            plans, t, is_leaf=lambda x: isinstance(x, LeafPlan)),
+        lambda t: jax.tree.map(gather, plans, t,
+                               is_leaf=lambda x: isinstance(x, LeafPlan)),
         mesh=self.mesh, in_specs=(self.param_plan.specs,),
         out_specs=self.param_plan.replicated_specs,
         # all_gather's result is typed device-varying, but it is identical on
@@ -351,18 +408,23 @@ class Engine:
       self._check_batch_dim(x.shape, x.shape[0] if x.ndim else None)
     stage = self.config.stage
     rng = jax.random.fold_in(state.rng, state.step)
-    grads, loss, aux = self._loss_and_grads(state.params, batch, rng)
+    grads, loss, aux = self._loss_and_grads(state.params, state.compute_params,
+                                            batch, rng)
     master = state.params
-    if stage in (1, 2):
+    if stage in (1, 2) and not self._keep_compute:
       # Slicing a replicated array to its shard is local: no communication.
       master = jax.lax.with_sharding_constraint(master,
                                                 self.param_plan.shardings)
     updates, opt_state = self.tx.update(grads, state.opt_state, master)
     master = optax.apply_updates(master, updates)
-    if stage in (1, 2):
+    compute_params = None
+    if self._keep_compute:
+      compute_params = self._gather_replicated(master, self._cd)
+    elif stage in (1, 2):
       master = self._gather_replicated(master)
     new_state = TrainState(step=state.step + 1, params=master,
-                           opt_state=opt_state, rng=state.rng)
+                           opt_state=opt_state, rng=state.rng,
+                           compute_params=compute_params)
     metrics = {"loss": loss}
     if self.has_aux:
       metrics["aux"] = aux

@@ -21,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from typing import Any, Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax import collectives
 from zero_jax.plan import LeafPlan
@@ -31,26 +33,81 @@ from zero_jax.plan import LeafPlan
 # Remat policies by name. None of them saves gathered parameters: saving them
 # would keep every layer's full parameters alive until backward (stage 2
 # memory at stage 3).
-REMAT_POLICIES: dict[str, Any] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+REMAT_POLICIES: dict[str, str] = {
+    "none": "no remat: keep every intermediate, including stage 3's gathered "
+            "parameters (fastest, most memory)",
+    "full": "save nothing inside a layer; recompute it (and re-gather its "
+            "parameters) in backward",
+    "dots_saveable": "keep matmul outputs without batch dims, recompute the "
+                     "rest",
+    "save_only_named": "keep only activations tagged with "
+                       "checkpoint_name(x, name) for a name in remat_names",
+    "offload_to_host": "move activations tagged with a name in remat_names "
+                       "to host memory (pinned_host) in forward and back in "
+                       "backward; recompute the rest",
 }
+
+# ``checkpoint_name(x, name)`` tags an activation for the named policies; it
+# is ``jax.ad_checkpoint.checkpoint_name``, re-exported for convenience.
+__all__ = ["NAMED_POLICIES", "REMAT_POLICIES", "checkpoint_name",
+           "remat_policy", "scan_layers"]
+
+# Policies that act on activations tagged with ``checkpoint_name``.
+NAMED_POLICIES = ("save_only_named", "offload_to_host")
+
+
+def remat_policy(name: str, names: tuple[str, ...] = ()) -> Any:
+  """The ``jax.checkpoint`` policy for a ``REMAT_POLICIES`` name.
+
+  Args:
+    name: a key of ``REMAT_POLICIES``.
+    names: for ``"save_only_named"`` and ``"offload_to_host"``: the
+      ``checkpoint_name`` tags the policy saves or offloads.
+
+  Returns:
+    A policy for ``jax.checkpoint`` (None for ``"none"``: no checkpoint).
+
+  Raises:
+    ValueError: unknown name, or a named policy without names.
+  """
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"unknown remat policy {name!r}; choose one of "
+                     f"{sorted(REMAT_POLICIES)}")
+  if name in NAMED_POLICIES and not names:
+    raise ValueError(
+        f"remat={name!r} needs remat_names: the checkpoint_name tags of the "
+        "activations to keep, e.g. ZeroConfig(remat=..., remat_names=("
+        "'mlp_hidden',)) with zero_jax.checkpoint_name(x, 'mlp_hidden') in the "
+        "layer")
+  cp = jax.checkpoint_policies
+  if name == "none":
+    return None
+  if name == "full":
+    return cp.nothing_saveable
+  if name == "dots_saveable":
+    return cp.dots_with_no_batch_dims_saveable
+  if name == "save_only_named":
+    return cp.save_only_these_names(*names)
+  return cp.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+      offload_src="device", offload_dst="pinned_host")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Recorded:
   """How one full parameter handed to ``loss_fn`` was made.
 
-  kind "gather": full = all_gather(shard). kind "scatter": full is the
-  replicated copy ``source``, whose gradient goes to ``shard`` via a
-  reduce-scatter.
+  kind "gather": full = all_gather(shard) in ``compute_dtype``. kind
+  "scatter": full is the replicated copy ``source``, whose gradient goes to
+  ``shard`` via a reduce-scatter. Gradients are summed in ``reduce_dtype``.
   """
 
   kind: str
   plan: LeafPlan
   shard: jax.Array
   source: jax.Array | None = None
+  compute_dtype: Any = None
+  reduce_dtype: Any = None
 
 
 class _Context(threading.local):
@@ -58,20 +115,22 @@ class _Context(threading.local):
   def __init__(self):
     self.recorded: dict[int, _Recorded] | None = None
     self.remat: str = "full"
+    self.remat_names: tuple[str, ...] = ()
 
 
 _CTX = _Context()
 
 
 @contextlib.contextmanager
-def _recording(recorded: dict[int, _Recorded], remat: str):
+def _recording(recorded: dict[int, _Recorded], remat: str,
+               remat_names: tuple[str, ...] = ()):
   """Used by the engine around its call of ``loss_fn``."""
-  prev = (_CTX.recorded, _CTX.remat)
-  _CTX.recorded, _CTX.remat = recorded, remat
+  prev = (_CTX.recorded, _CTX.remat, _CTX.remat_names)
+  _CTX.recorded, _CTX.remat, _CTX.remat_names = recorded, remat, remat_names
   try:
     yield
   finally:
-    _CTX.recorded, _CTX.remat = prev
+    _CTX.recorded, _CTX.remat, _CTX.remat_names = prev
 
 
 def _slice_plan(lp: LeafPlan) -> LeafPlan:
@@ -80,7 +139,9 @@ def _slice_plan(lp: LeafPlan) -> LeafPlan:
 
 
 def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
-                *, remat: str | None = None) -> tuple[Any, Any]:
+                *, remat: str | None = None,
+                remat_names: tuple[str, ...] | None = None
+                ) -> tuple[Any, Any]:
   """``jax.lax.scan(f, init, xs)`` over stacked layers, ZeRO-aware.
 
   Args:
@@ -92,15 +153,16 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
       the stacked parameters, plus anything else to scan over.
     remat: a key of ``REMAT_POLICIES``; default: the engine's
       ``ZeroConfig.remat`` (``"full"`` outside an engine).
+    remat_names: ``checkpoint_name`` tags for the named policies; default:
+      the engine's ``ZeroConfig.remat_names``.
 
   Returns:
     ``(carry, ys)`` as from ``jax.lax.scan``.
   """
   recorded = _CTX.recorded or {}
   policy_name = _CTX.remat if remat is None else remat
-  if policy_name not in REMAT_POLICIES:
-    raise ValueError(f"unknown remat policy {policy_name!r}; choose one of "
-                     f"{sorted(REMAT_POLICIES)}")
+  names = _CTX.remat_names if remat_names is None else tuple(remat_names)
+  policy = remat_policy(policy_name, names)
   leaves, treedef = jax.tree.flatten(xs)
   # Per leaf: what the scan iterates over, and how to turn one slice of it
   # back into the layer's full parameter.
@@ -114,25 +176,39 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
       materialize.append(None)
     elif rec.kind == "gather":
       scanned.append(rec.shard)
-      materialize.append(("gather", _slice_plan(rec.plan)))
+      materialize.append((rec, _slice_plan(rec.plan)))
     else:
       scanned.append((rec.shard, rec.source))
-      materialize.append(("scatter", _slice_plan(rec.plan)))
+      materialize.append((rec, _slice_plan(rec.plan)))
+
+  if recorded and all(how is None for how in materialize):
+    # Under an engine at stage 2-3 but none of the scanned arrays is a
+    # parameter the engine handed over: the layers fall back to whole-model
+    # gathering, which trains exactly but costs the memory ZeRO should save.
+    warnings.warn(
+        "zero_jax.scan_layers: none of xs is a parameter array the engine "
+        "passed to loss_fn, so layers are not gathered/reduced one at a "
+        "time. Pass the parameters to the scan unchanged (no astype, "
+        "jnp.stack or jax.checkpoint around the model in loss_fn; use "
+        "ZeroConfig.compute_dtype for low-precision compute).",
+        stacklevel=2)
 
   def body(carry, sliced):
     layer = []
     for how, s in zip(materialize, sliced):
       if how is None:
         layer.append(s)
-      elif how[0] == "gather":
-        layer.append(collectives.gather_leaf(how[1], s))
+        continue
+      rec, lp = how
+      if rec.kind == "gather":
+        layer.append(collectives.gather_leaf(lp, s, rec.compute_dtype,
+                                             rec.reduce_dtype))
       else:
         shard, source = s
-        layer.append(collectives.use_with_scattered_grad(how[1], shard,
-                                                         source))
+        layer.append(collectives.use_with_scattered_grad(
+            lp, shard, source, rec.reduce_dtype))
     return f(carry, treedef.unflatten(layer))
 
-  policy = REMAT_POLICIES[policy_name]
-  if policy_name != "none":
+  if policy is not None:
     body = jax.checkpoint(body, policy=policy)
   return jax.lax.scan(body, init, scanned)

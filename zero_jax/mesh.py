@@ -1,4 +1,11 @@
-"""The device mesh: one ``data`` axis over every device of every process."""
+"""The device mesh: a ``data`` axis, optionally inside a ``replica`` axis.
+
+ZeRO shards state over ``data``. With ``replica=R`` the devices form R groups
+(e.g. one per node) and state is sharded inside each group and replicated
+across groups, like PyTorch FSDP's hybrid sharding or DeepSpeed's MiCS/hpZ:
+parameter gathers stay on fast intra-group links, and only the (already
+reduce-scattered) gradient shards are all-reduced across groups.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +15,26 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 DATA = "data"
+REPLICA = "replica"
 
 
 def make_mesh(num_devices: int | None = None,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Makes the 1-D ``data`` mesh ZeRO shards over.
+              devices: Sequence[jax.Device] | None = None, *,
+              replica: int = 1) -> Mesh:
+  """Makes the mesh ZeRO shards over.
 
   Args:
     num_devices: use only the first ``num_devices`` devices (handy to compare
       device counts in one process). Default: all of them.
     devices: explicit devices; overrides ``num_devices``.
+    replica: number of replica groups R. 1 (default) gives a 1-D ``data``
+      mesh; R > 1 gives a 2-D ``(replica, data)`` mesh of shape
+      ``(R, devices // R)``: state sharded over ``data`` inside each group,
+      replicated across groups, the batch split over both axes.
 
   Returns:
-    A mesh with one axis, ``"data"``. Its axis type is ``Auto`` so that
-    ordinary jit code (the optax update) can run on the sharded arrays without
-    ``jax.set_mesh``.
+    The mesh. Its axis types are ``Auto`` so that ordinary jit code (the
+    optax update) can run on the sharded arrays without ``jax.set_mesh``.
   """
   if devices is None:
     devices = jax.devices()
@@ -35,5 +47,31 @@ def make_mesh(num_devices: int | None = None,
             "jax is first used.")
       devices = devices[:num_devices]
   devices = list(devices)
-  return jax.make_mesh((len(devices),), (DATA,), axis_types=(AxisType.Auto,),
-                       devices=devices)
+  if isinstance(replica, bool) or not isinstance(replica, int) or replica < 1:
+    raise ValueError(f"replica must be a positive int, got {replica!r}")
+  if len(devices) % replica:
+    raise ValueError(
+        f"replica={replica} does not divide the {len(devices)} devices; "
+        f"choose a divisor of {len(devices)} (each replica group gets "
+        "devices // replica devices on the 'data' axis).")
+  if replica == 1:
+    return jax.make_mesh((len(devices),), (DATA,),
+                         axis_types=(AxisType.Auto,), devices=devices)
+  return jax.make_mesh((replica, len(devices) // replica), (REPLICA, DATA),
+                       axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def batch_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes the batch is split over: ``(replica, data)`` or
+  ``(data,)``. Works on a ``Mesh`` and on the abstract mesh inside
+  ``shard_map``."""
+  return (REPLICA, DATA) if REPLICA in mesh.axis_names else (DATA,)
+
+
+def replica_axes() -> tuple[str, ...]:
+  """``("replica",)`` when tracing under a mesh that has it, else ``()``.
+
+  Collectives call this inside ``shard_map`` to add the cross-group step.
+  """
+  return (REPLICA,) if REPLICA in jax.sharding.get_abstract_mesh().axis_names \
+      else ()

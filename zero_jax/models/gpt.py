@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zero_jax.layers import scan_layers
+from zero_jax.layers import checkpoint_name, scan_layers
 
 # Names of the stacked per-layer parameters, in the order the block uses them.
 BLOCK_PARAMS = (
@@ -154,12 +154,17 @@ def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
   p = layer_params
   k_attn, k_mlp = (None, None) if rng is None else jax.random.split(rng)
   x = layer_norm(h, p["ln1_scale"], p["ln1_bias"])
-  x = causal_self_attention(x, p["attn_qkv"], p["attn_out"],
-                            p["attn_out_bias"], n_heads)
+  # Tags for the named remat policies (ZeroConfig(remat="save_only_named",
+  # remat_names=("attn_output", "mlp_hidden"))).
+  x = checkpoint_name(causal_self_attention(x, p["attn_qkv"], p["attn_out"],
+                                            p["attn_out_bias"], n_heads),
+                      "attn_output")
   h = h + dropout(x, dropout_rate, k_attn)
   x = layer_norm(h, p["ln2_scale"], p["ln2_bias"])
   # tanh-approximate GELU, as in GPT-2.
-  x = jax.nn.gelu(x @ p["mlp_in"] + p["mlp_in_bias"], approximate=True)
+  x = checkpoint_name(
+      jax.nn.gelu(x @ p["mlp_in"] + p["mlp_in_bias"], approximate=True),
+      "mlp_hidden")
   x = x @ p["mlp_out"] + p["mlp_out_bias"]
   return h + dropout(x, dropout_rate, k_mlp)
 

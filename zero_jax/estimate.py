@@ -1,0 +1,251 @@
+"""Per-device memory and communication of each ZeRO stage, from the shell.
+
+Prints, for every stage asked for, zero_jax's analytic bytes per device
+(``zero_jax.memory.estimate_memory``) next to the ZeRO paper's formula, and
+the collectives of one step in multiples of Ψ and in GiB. No accelerator or
+model is needed.
+
+Example::
+
+  $ python -m zero_jax.estimate --params 7.5e9 --devices 64 --stage 3
+  $ python -m zero_jax.estimate --params 1.3B --devices 8 \\
+      --compute-dtype bf16 --layers 24 --hidden 2048 --seq-len 2048 \\
+      --micro-batch 4 --heads 16 --vocab 50257
+
+``--params`` takes 7.5e9, 1.3B, 125M or 350k. The paper's column uses
+fp16 params and gradients and K = 12 (fp32 master + the optimizer's state)
+with ``--compute-dtype``, fp32 params and gradients and K = the optimizer's
+without. Activations (Korthikanti et al., arXiv:2205.05198) are estimated
+only when the model's shape is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Sequence
+
+from zero_jax import memory
+
+_GIB = 2 ** 30
+_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_COMPUTE_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16",
+                   "bfloat16": "bfloat16", "fp16": "float16",
+                   "float16": "float16"}
+_STAGE_NAMES = {
+    0: "plain data parallelism, everything replicated",
+    1: "optimizer state sharded",
+    2: "optimizer state and gradients sharded",
+    3: "optimizer state, gradients and parameters sharded",
+}
+_SHAPE_ARGS = ("layers", "hidden", "seq_len", "micro_batch", "heads")
+
+
+def parse_count(text: str) -> float:
+  """Parses a parameter count: ``7.5e9``, ``1.3B``, ``125M``, ``350k``.
+
+  Args:
+    text: a number, optionally with a k/M/B(G)/T suffix (any case) and
+      ``_`` or ``,`` separators.
+
+  Returns:
+    The count.
+
+  Raises:
+    argparse.ArgumentTypeError: not such a count, or not positive.
+  """
+  m = re.fullmatch(r"\s*([0-9][0-9_,]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*"
+                   r"([kmbgt]?)\s*", text, re.IGNORECASE)
+  if not m:
+    raise argparse.ArgumentTypeError(
+        f"invalid count {text!r}: use a number such as 7.5e9, 1.3B, 125M or "
+        "350k")
+  value = float(m.group(1).replace("_", "").replace(",", ""))
+  value *= _SUFFIXES[m.group(2).lower()]
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"count must be > 0, got {text!r}")
+  return value
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command line's argument parser."""
+  p = argparse.ArgumentParser(
+      prog="python -m zero_jax.estimate",
+      description="Per-device memory and communication of ZeRO stages 0-3 "
+      "under zero_jax, next to the ZeRO paper's formula.",
+      epilog="example: python -m zero_jax.estimate --params 7.5e9 "
+      "--devices 64 --stage 3")
+  p.add_argument("--params", type=parse_count, required=True,
+                 help="parameter count Ψ: 7.5e9, 1.3B, 125M, 350k")
+  p.add_argument("--devices", type=_positive_int, required=True,
+                 help="devices in all")
+  p.add_argument("--stage", choices=("0", "1", "2", "3", "all"),
+                 default="all", help="ZeRO stage (default: all)")
+  p.add_argument("--optimizer", default="adamw",
+                 choices=sorted(memory.OPTIMIZER_STATE_BYTES),
+                 help="sets the optimizer-state bytes per parameter K "
+                 "(default adamw: 8)")
+  p.add_argument("--k", type=float, default=None,
+                 help="optimizer-state bytes per parameter; overrides "
+                 "--optimizer")
+  p.add_argument("--compute-dtype", default="fp32",
+                 choices=sorted(_COMPUTE_DTYPES),
+                 help="dtype of the forward/backward (default fp32: fp32 "
+                 "training)")
+  p.add_argument("--reduce-dtype", default="fp32",
+                 choices=sorted(_COMPUTE_DTYPES),
+                 help="dtype gradients are summed in across devices "
+                 "(default fp32, as ZeroConfig)")
+  p.add_argument("--replica", type=_positive_int, default=1,
+                 help="replica groups R: state is sharded over devices / R "
+                 "and replicated over R (default 1)")
+  act = p.add_argument_group(
+      "activations (optional; all of --layers --hidden --seq-len "
+      "--micro-batch --heads)")
+  act.add_argument("--layers", type=_positive_int, help="transformer blocks")
+  act.add_argument("--hidden", type=_positive_int, help="model width")
+  act.add_argument("--seq-len", type=_positive_int, help="tokens/sequence")
+  act.add_argument("--micro-batch", type=_positive_int,
+                   help="sequences per device per step")
+  act.add_argument("--heads", type=_positive_int, help="attention heads")
+  act.add_argument("--vocab", type=_positive_int, default=None,
+                   help="vocabulary size (adds the logits)")
+  act.add_argument("--remat", choices=("full", "none"), default="full",
+                   help="per-layer rematerialization (default full)")
+  return p
+
+
+def _gib(x: float) -> str:
+  return f"{x / _GIB:.3f}"
+
+
+def _psi(x: float) -> str:
+  return f"{x:.3g}Ψ"
+
+
+def _count(x: float) -> str:
+  """7.5e9 -> '7.5B'; small counts as they are."""
+  for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+    if x >= scale:
+      return f"{x / scale:.4g}{suffix}"
+  return f"{x:.4g}"
+
+
+def _stage_report(args: argparse.Namespace, stage: int,
+                  activations: float | None) -> list[str]:
+  compute = _COMPUTE_DTYPES[args.compute_dtype]
+  k = memory.optimizer_state_bytes(args.optimizer, args.k)
+  est = memory.estimate_memory(args.params, args.devices, stage,
+                               optimizer=args.optimizer, k=args.k,
+                               compute_dtype=compute, replica=args.replica,
+                               activations=activations)
+  n = args.devices // args.replica
+  # The paper: 16-bit params/grads and an fp32 master counted in K with
+  # mixed precision; fp32 params/grads and the optimizer's own K without.
+  b = 2 if compute else 4
+  paper = memory.paper_estimate(args.params, n, stage, param_bytes=b,
+                                grad_bytes=b, k=k + (4 if compute else 0))
+  act = "-" if activations is None else _gib(est.activations)
+  rows = [("params", _gib(est.params), _gib(paper.params)),
+          ("gradients", _gib(est.grads), _gib(paper.grads)),
+          ("optimizer state", _gib(est.opt_state), _gib(paper.opt_state)),
+          ("model states", _gib(est.model_states),
+           _gib(paper.model_states)),
+          ("activations", act, "-"),
+          ("total", _gib(est.total), _gib(paper.model_states))]
+  lines = [f"stage {stage}: {_STAGE_NAMES[stage]}",
+           f"  {'GiB per device':<18}{'zero_jax':>12}{'paper':>12}"]
+  lines += [f"  {name:<18}{ours:>12}{theirs:>12}"
+            for name, ours, theirs in rows]
+  comm = memory.estimate_comm(args.params, args.devices, stage,
+                              compute_dtype=compute,
+                              reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
+                              replica=args.replica)
+  in_psi = {kind: d["elements"] / args.params for kind, d in comm.items()}
+  nbytes = memory.comm_volume({kind: d["bytes"] for kind, d in comm.items()})
+  parts = " + ".join(f"{kind} {_psi(x)}" for kind, x in in_psi.items())
+  lines.append(f"  communication per step: {parts}; volume "
+               f"{_psi(memory.comm_volume(in_psi))} = {_gib(nbytes)} GiB")
+  return lines
+
+
+def report(args: argparse.Namespace) -> str:
+  """The text ``main`` prints for parsed arguments."""
+  compute = _COMPUTE_DTYPES[args.compute_dtype]
+  k = memory.optimizer_state_bytes(args.optimizer, args.k)
+  n = args.devices // args.replica
+  activations = None
+  if args.layers is not None:
+    activations = memory.estimate_activations(
+        layers=args.layers, hidden=args.hidden, seq_len=args.seq_len,
+        micro_batch=args.micro_batch, heads=args.heads,
+        vocab=args.vocab or 0, bytes_per_element=2 if compute else 4,
+        remat=args.remat)
+  opt = f"K = {k:g}" if args.k is not None else f"{args.optimizer}, K = {k:g}"
+  precision = (f"{args.compute_dtype} compute, fp32 master" if compute else
+               "fp32 training")
+  paper = (f"2-byte params and gradients, K = {k + 4:g} (fp32 master "
+           f"4 + optimizer {k:g}: the master counts as optimizer state)"
+           if compute else f"4-byte params and gradients, K = {k:g}")
+  lines = [
+      f"Ψ = {_count(args.params)} parameters on {args.devices} devices "
+      f"(sharded over N = {n}, replica groups R = {args.replica}); "
+      f"{opt} bytes/param; {precision}",
+      f"paper (arXiv:1910.02054): {paper}", ""]
+  stages = range(4) if args.stage == "all" else [int(args.stage)]
+  for stage in stages:
+    lines += _stage_report(args, stage, activations)
+    lines.append("")
+  lines.append("zero_jax keeps no gradient buffer between steps; gradients "
+               "are counted because they are live at the update.")
+  if activations is None:
+    lines.append("activations: pass --layers --hidden --seq-len "
+                 "--micro-batch --heads (and --vocab) to estimate them.")
+  else:
+    lines.append("activations: Korthikanti et al. (arXiv:2205.05198) "
+                 f"estimate, remat={args.remat}; a planning number.")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the command line.
+
+  Args:
+    argv: arguments without the program name; None reads ``sys.argv``.
+
+  Returns:
+    0. Bad arguments exit through ``argparse`` (SystemExit, status 2) with a
+    message saying what is wrong.
+  """
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.devices % args.replica:
+    parser.error(f"--devices {args.devices} is not divisible by --replica "
+                 f"{args.replica}: state is sharded over devices / replica "
+                 "devices")
+  if args.k is not None and args.k < 0:
+    parser.error(f"--k must be >= 0, got {args.k:g}")
+  given = [a for a in _SHAPE_ARGS if getattr(args, a) is not None]
+  if (given or args.vocab is not None) and len(given) < len(_SHAPE_ARGS):
+    missing = [f"--{a.replace('_', '-')}" for a in _SHAPE_ARGS
+               if getattr(args, a) is None]
+    parser.error("the activation estimate needs all of --layers --hidden "
+                 "--seq-len --micro-batch --heads; missing "
+                 + " ".join(missing))
+  print(report(args))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
