@@ -26,17 +26,12 @@ On a machine without an accelerator, 8 CPU devices are simulated::
       --out /tmp/sweep.md --plot /tmp/sweep.png
 """
 
-import os
+from _devices import simulate_cpu_devices
 
-# Simulate 8 devices on CPU. Must happen before jax is imported; the flag only
-# affects the host (CPU) backend, so on a GPU machine it is harmless.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
-                                                                ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8"
-                             ).strip()
+simulate_cpu_devices(8)  # before jax is imported
 
 import argparse
+import os
 import dataclasses
 import shlex
 import sys
@@ -50,7 +45,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import hlo
+from zero_jax import hlo, memory
 from zero_jax.memory import (compiled_memory, paper_model_state_bytes,
                              param_count, per_device_bytes)
 from zero_jax.mesh import DATA
@@ -117,19 +112,14 @@ class Row:
 
 
 def comm_in_psi(hlo_text: str, psi: int, n: int) -> dict[str, float]:
-  """Per-step collective volumes in Ψ, each counted by its full operand.
-
-  ``hlo.summarize`` counts result elements: an all-gather's result is the
-  full array, a reduce-scatter's only one shard, so reduce-scatters are
-  scaled by N to the full gradient they reduce (the paper's "reduce-scatter
-  Ψ"). "other" is all-to-all plus collective-permute.
-  """
-  s = hlo.summarize(hlo_text)
-  el = lambda kind: s.get(kind, {}).get("elements", 0)
-  return {"ag": el("all-gather") / psi,
-          "rs": el("reduce-scatter") * n / psi,
-          "ar": el("all-reduce") / psi,
-          "other": (el("all-to-all") + el("collective-permute")) / psi}
+  """Per-step collective volumes in Ψ, each counted by its full operand
+  (``zero_jax.memory.comm_in_psi``: reduce-scatters scaled by N to the full
+  gradient they reduce), grouped as the table's columns; "other" is
+  all-to-all plus collective-permute."""
+  c = memory.comm_in_psi(hlo.summarize(hlo_text), psi, n)
+  return {"ag": c.get("all-gather", 0.0), "rs": c.get("reduce-scatter", 0.0),
+          "ar": c.get("all-reduce", 0.0),
+          "other": c.get("all-to-all", 0.0) + c.get("collective-permute", 0.0)}
 
 
 def traffic(comm: dict[str, float]) -> float:

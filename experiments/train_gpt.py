@@ -12,17 +12,12 @@ On a machine without an accelerator, 8 CPU devices are simulated::
   PYTHONPATH=. python experiments/train_gpt.py --stage 1 --devices 4 --steps 50
 """
 
-import os
+from _devices import simulate_cpu_devices
 
-# Simulate 8 devices on CPU. Must happen before jax is imported; the flag only
-# affects the host (CPU) backend, so on a GPU machine it is harmless.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
-                                                                ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8"
-                             ).strip()
+simulate_cpu_devices(8)  # before jax is imported
 
 import argparse
+import os
 import dataclasses
 import glob
 import math
