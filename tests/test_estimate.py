@@ -245,13 +245,6 @@ def test_measured_communication_in_psi(gpt, stage):
                                            abs(expected - est[kind])), kind
 
 
-_HAS_MIXED_AND_REPLICA = (
-    "compute_dtype" in {f.name for f in dataclasses.fields(zj.ZeroConfig)}
-    and "replica" in inspect.signature(zj.make_mesh).parameters)
-
-
-@pytest.mark.skipif(not _HAS_MIXED_AND_REPLICA,
-                    reason="no ZeroConfig.compute_dtype / make_mesh(replica)")
 def test_bf16_with_replica_groups_agrees_with_the_compiled_step(gpt):
   # One compile covers both: stage 1 keeps a replicated bf16 copy next to
   # the fp32 master shard, and 2 replica groups shard over N = 4.
