@@ -1,7 +1,6 @@
 """The analytic estimator: hand counts, the compiled step, and the CLI."""
 
 import dataclasses
-import inspect
 import math
 import os
 import subprocess
