@@ -1,7 +1,5 @@
 """Layout planning: every leaf shape is handled, and the report says how."""
 
-import jax
-import jax.numpy as jnp
 import optax
 import pytest
 
