@@ -20,7 +20,6 @@ import argparse
 import os
 import dataclasses
 import glob
-import math
 import time
 
 import jax
@@ -149,11 +148,10 @@ def memory_table(loss_fn, tx, params, batch, mesh, config,
                                     k=12 if low else 8)
     # zero_jax's analytic model of its own layouts, told which leaves stay
     # replicated (small or indivisible).
-    replicated = sum(math.prod(lp.shape) for _, lp in engine.param_plan.rows()
-                     if not lp.sharded)
-    est = zj.estimate_memory(psi, mesh.size, stage, optimizer="adamw",
-                             compute_dtype=config.compute_dtype,
-                             replica=mesh.size // n, replicated=replicated)
+    est = zj.estimate_memory(
+        psi, mesh.size, stage, optimizer="adamw",
+        compute_dtype=config.compute_dtype, replica=mesh.size // n,
+        replicated=engine.param_plan.replicated_elements)
     rows.append((stage, measured, est.persistent, paper, mem.temp, mem.peak))
     for x in jax.tree.leaves(state):
       x.delete()

@@ -167,11 +167,6 @@ def gpt():
   return params, batches[0], compiled
 
 
-def _replicated(engine) -> int:
-  return sum(math.prod(lp.shape) for _, lp in engine.param_plan.rows()
-             if not lp.sharded)
-
-
 def _measured(engine, state, compiled, batch):
   split = train_state_bytes(state)
   state_bytes = (compiled_memory(compiled).argument -
@@ -196,7 +191,7 @@ def test_model_states_agree_with_the_compiled_step(gpt, stage):
   assert state_bytes == pytest.approx(est.persistent, rel=0.10)
   # ... and counting the replicated leaves makes it exact, up to scalars
   # (step, rng key, Adam's step count).
-  exact = estimate_memory(psi, N, stage, replicated=_replicated(engine))
+  exact = estimate_memory(psi, N, stage, replicated=engine.param_plan.replicated_elements)
   assert measured_params == exact.params
   assert 0 <= split["opt_state"] - exact.opt_state <= 8
   assert 0 <= state_bytes - exact.persistent <= 32
@@ -220,7 +215,7 @@ def test_measured_communication_in_psi(gpt, stage):
   params, _, compiled = gpt
   engine, _, c = compiled(stage)
   psi = param_count(params)
-  rep = _replicated(engine)
+  rep = engine.param_plan.replicated_elements
   measured = comm_in_psi(hlo.summarize(c.as_text()), psi, N)
   est = {k: v["elements"] / psi
          for k, v in estimate_comm(psi, N, stage, replicated=rep).items()}
@@ -255,7 +250,7 @@ def test_bf16_with_replica_groups_agrees_with_the_compiled_step(gpt):
   assert measured_params == pytest.approx(est.params, rel=0.10)
   assert split["opt_state"] == pytest.approx(est.opt_state, rel=0.10)
   assert state_bytes == pytest.approx(est.persistent, rel=0.10)
-  rep = _replicated(engine)
+  rep = engine.param_plan.replicated_elements
   exact = estimate_memory(psi, N, 1, compute_dtype="bfloat16", replica=2,
                           replicated=rep)
   assert measured_params == exact.params

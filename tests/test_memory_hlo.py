@@ -50,13 +50,8 @@ def test_state_bytes_within_paper_formula(gpt, stage):
   if stage == 3:
     # Master shard + two Adam moment shards, plus the few small replicated
     # leaves (LayerNorm vectors, biases below min_shard_elements).
-    replicated = _replicated_elements(engine)
+    replicated = engine.param_plan.replicated_elements
     assert state_bytes <= 12 * psi / N + 12 * replicated + 64
-
-
-def _replicated_elements(engine):
-  return sum(math.prod(lp.shape) for _, lp in engine.param_plan.rows()
-             if not lp.sharded)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -70,7 +65,7 @@ def test_gradients_are_reduce_scattered_not_all_reduced(gpt, stage):
     assert "reduce-scatter" not in ops
     assert all_reduce >= psi  # the whole gradient is all-reduced
     return
-  rep = _replicated_elements(engine)
+  rep = engine.param_plan.replicated_elements
   sharded = psi - rep
   # Every sharded gradient is reduce-scattered: the results are the shards.
   assert ops["reduce-scatter"]["elements"] == sharded // N

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zero_jax.mesh import DATA, replica_axes
+from zero_jax.mesh import DATA, batch_axes, replica_axes
 from zero_jax.plan import LeafPlan
 
 
@@ -29,6 +29,10 @@ def _is_plan(x) -> bool:
 
 def _cast(x: jax.Array, dtype) -> jax.Array:
   return x if dtype is None else x.astype(dtype)
+
+
+def _all_axes() -> tuple[str, ...]:
+  return batch_axes(jax.sharding.get_abstract_mesh())
 
 
 def _to_replica_varying(x: jax.Array) -> jax.Array:
@@ -82,8 +86,7 @@ def gather_leaf(lp: LeafPlan, x: jax.Array, compute_dtype=None,
   if not lp.sharded:
     # pcast first, cast second: the all-reduce (pcast's transpose) then runs
     # on the fp32 cotangent.
-    return _cast(jax.lax.pcast(x, jax.sharding.get_abstract_mesh().axis_names,
-                               to="varying"), compute_dtype)
+    return _cast(jax.lax.pcast(x, _all_axes(), to="varying"), compute_dtype)
   if compute_dtype is None and reduce_dtype is None:
     # Plain autodiff: all_gather's transpose is psum_scatter.
     return jax.lax.all_gather(_to_replica_varying(x), DATA, axis=lp.dim,
@@ -98,8 +101,7 @@ def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
   out_dtype = out_dtype or g.dtype
   if lp.sharded:
     return _scatter_grad(lp.dim, g, reduce_dtype, out_dtype)
-  axes = jax.sharding.get_abstract_mesh().axis_names
-  return jax.lax.psum(_cast(g, reduce_dtype), axes).astype(out_dtype)
+  return jax.lax.psum(_cast(g, reduce_dtype), _all_axes()).astype(out_dtype)
 
 
 def gather_tree(plans, tree, compute_dtype=None, reduce_dtype=None):

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from zero_jax.layers import NAMED_POLICIES, REMAT_POLICIES
+from zero_jax.layers import REMAT_POLICIES, remat_policy
 
 _STAGES = (0, 1, 2, 3)
 _COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
@@ -71,11 +71,7 @@ class ZeroConfig:
                        f"the string {self.remat_names!r}; write "
                        f"({self.remat_names!r},)")
     object.__setattr__(self, "remat_names", tuple(self.remat_names))
-    if self.remat in NAMED_POLICIES and not self.remat_names:
-      raise ValueError(
-          f"ZeroConfig(remat={self.remat!r}) needs remat_names: the "
-          "zero_jax.checkpoint_name tags of the activations to keep, e.g. "
-          "remat_names=('mlp_hidden',)")
+    remat_policy(self.remat, self.remat_names)  # named policies need names
     for name in ("compute_dtype", "reduce_dtype"):
       value = getattr(self, name)
       if value is None:

@@ -124,6 +124,11 @@ class Plan:
   def replicated_specs(self) -> Any:
     return self._map(lambda lp: P())
 
+  @property
+  def replicated_elements(self) -> int:
+    """Elements of the leaves kept replicated (small or indivisible)."""
+    return sum(math.prod(lp.shape) for _, lp in self.rows() if not lp.sharded)
+
   def rows(self) -> list[tuple[str, LeafPlan]]:
     """(path, plan) for every leaf, in tree order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(
