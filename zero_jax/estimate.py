@@ -2,7 +2,7 @@
 
 Prints, for every stage asked for, zero_jax's analytic bytes per device
 (``zero_jax.memory.estimate_memory``) next to the ZeRO paper's formula, and
-the collectives of one step in multiples of Ψ and in GiB. No accelerator or
+the collectives of one step in multiples of Ψ and in GiB (MiB for small models). No accelerator or
 model is needed.
 
 Example::
@@ -126,8 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def _gib(x: float) -> str:
-  return f"{x / _GIB:.3f}"
+def _unit(psi: float) -> tuple[str, float]:
+  """GiB for models whose plain-DP state (16Ψ bytes) reaches 1 GiB, else
+  MiB, so that small models do not print as 0.000."""
+  return ("GiB", _GIB) if 16 * psi >= _GIB else ("MiB", 2.0**20)
+
+
+def _size(x: float, unit: tuple[str, float]) -> str:
+  return f"{x / unit[1]:.3f}"
 
 
 def _psi(x: float) -> str:
@@ -156,16 +162,17 @@ def _stage_report(args: argparse.Namespace, stage: int,
   b = 2 if compute else 4
   paper = memory.paper_estimate(args.params, n, stage, param_bytes=b,
                                 grad_bytes=b, k=k + (4 if compute else 0))
-  act = "-" if activations is None else _gib(est.activations)
-  rows = [("params", _gib(est.params), _gib(paper.params)),
-          ("gradients", _gib(est.grads), _gib(paper.grads)),
-          ("optimizer state", _gib(est.opt_state), _gib(paper.opt_state)),
-          ("model states", _gib(est.model_states),
-           _gib(paper.model_states)),
+  unit = _unit(args.params)
+  size = lambda x: _size(x, unit)
+  act = "-" if activations is None else size(est.activations)
+  rows = [("params", size(est.params), size(paper.params)),
+          ("gradients", size(est.grads), size(paper.grads)),
+          ("optimizer state", size(est.opt_state), size(paper.opt_state)),
+          ("model states", size(est.model_states), size(paper.model_states)),
           ("activations", act, "-"),
-          ("total", _gib(est.total), _gib(paper.model_states))]
+          ("total", size(est.total), size(paper.model_states))]
   lines = [f"stage {stage}: {_STAGE_NAMES[stage]}",
-           f"  {'GiB per device':<18}{'zero_jax':>12}{'paper':>12}"]
+           f"  {unit[0] + ' per device':<18}{'zero_jax':>12}{'paper':>12}"]
   lines += [f"  {name:<18}{ours:>12}{theirs:>12}"
             for name, ours, theirs in rows]
   comm = memory.estimate_comm(args.params, args.devices, stage,
@@ -176,7 +183,7 @@ def _stage_report(args: argparse.Namespace, stage: int,
   nbytes = memory.comm_volume({kind: d["bytes"] for kind, d in comm.items()})
   parts = " + ".join(f"{kind} {_psi(x)}" for kind, x in in_psi.items())
   lines.append(f"  communication per step: {parts}; volume "
-               f"{_psi(memory.comm_volume(in_psi))} = {_gib(nbytes)} GiB")
+               f"{_psi(memory.comm_volume(in_psi))} = {size(nbytes)} {unit[0]}")
   return lines
 
 
