@@ -10,6 +10,13 @@ On a machine without an accelerator, 8 CPU devices are simulated::
 
   PYTHONPATH=. python experiments/train_gpt.py
   PYTHONPATH=. python experiments/train_gpt.py --stage 1 --devices 4 --steps 50
+  PYTHONPATH=. python experiments/train_gpt.py --deepspeed-config ds.json \
+      --log-jsonl run.jsonl
+
+A DeepSpeed JSON config (``--deepspeed-config``) sets the ZeRO stage, the
+precision and loss scaling, gradient accumulation and clipping, optimizer
+offload and the batch size, as DeepSpeed would; ``--remat`` and the model
+flags still apply.
 """
 
 from _devices import simulate_cpu_devices
@@ -17,9 +24,10 @@ from _devices import simulate_cpu_devices
 simulate_cpu_devices(8)  # before jax is imported
 
 import argparse
-import os
 import dataclasses
 import glob
+import os
+import sys
 import time
 
 import jax
@@ -29,6 +37,7 @@ import optax
 from flax import nnx
 
 import zero_jax as zj
+from zero_jax import metrics as zm
 from zero_jax.memory import (compiled_memory, paper_model_state_bytes,
                              param_count, per_device_bytes)
 from zero_jax.mesh import DATA
@@ -40,6 +49,10 @@ VAL_FRACTION = 0.05
 
 def parse_args() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--deepspeed-config", default=None, metavar="FILE",
+                 help="a DeepSpeed JSON config; it replaces --stage, "
+                 "--compute-dtype, --batch-size, --grad-accum-steps, "
+                 "--clip-grad-norm and --offload-optimizer")
   p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
   p.add_argument("--replica", type=int, default=1,
                  help="replica groups: state sharded inside each group of "
@@ -54,13 +67,23 @@ def parse_args() -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--batch-size", type=int, default=32,
                  help="global batch size (sequences per step)")
+  p.add_argument("--grad-accum-steps", type=int, default=1,
+                 help="micro-batches per step (the global batch is split)")
+  p.add_argument("--clip-grad-norm", type=float, default=1.0,
+                 help="clip to this global norm (0: no clipping)")
+  p.add_argument("--offload-optimizer", default=None, choices=("host",),
+                 help="keep the optimizer state in host memory")
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--d-model", type=int, default=128)
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--optimizer", default="adamw", choices=("adamw",))
-  p.add_argument("--log-every", type=int, default=10)
+  p.add_argument("--log-every", type=int, default=10,
+                 help="progress line every N steps (redrawn every step on "
+                 "a terminal)")
+  p.add_argument("--log-jsonl", default=None, metavar="PATH",
+                 help="append every step's metrics to PATH as JSON lines")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--plot", default=None, metavar="PATH",
                  help="write a PNG of the memory table to PATH")
@@ -109,15 +132,34 @@ def decay_mask(params):
   return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def make_optimizer(args) -> optax.GradientTransformation:
+def make_optimizer(args):
+  """AdamW with warmup and cosine decay; returns ``(tx, schedule)``.
+
+  Clipping is the engine's (``ZeroConfig.clip_grad_norm``), so the pre-clip
+  norm is reported.
+  """
   warmup = max(1, min(100, args.steps // 10))
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=args.lr, warmup_steps=warmup,
-      decay_steps=args.steps, end_value=args.lr / 10)
-  return optax.chain(
-      optax.clip_by_global_norm(1.0),
-      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1,
-                  mask=decay_mask))
+      decay_steps=max(args.steps, warmup + 1), end_value=args.lr / 10)
+  tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1,
+                   mask=decay_mask)
+  return tx, schedule
+
+
+def make_zero_config(args) -> zj.ZeroConfig:
+  """From ``--deepspeed-config`` if given, else from the flags."""
+  # The named remat policies act on the activations the GPT tags.
+  remat = dict(remat=args.remat, remat_names=(
+      ("attn_output", "mlp_hidden")
+      if args.remat in ("save_only_named", "offload_to_host") else ()))
+  if args.deepspeed_config:
+    config = zj.ZeroConfig.from_deepspeed(args.deepspeed_config)
+    return dataclasses.replace(config, **remat)
+  return zj.ZeroConfig(stage=args.stage, compute_dtype=args.compute_dtype,
+                       grad_accum_steps=args.grad_accum_steps,
+                       clip_grad_norm=args.clip_grad_norm or None,
+                       offload_optimizer=args.offload_optimizer, **remat)
 
 
 # ------------------------------------------------------------ memory table
@@ -218,45 +260,61 @@ def main() -> None:
   model = GPT(config, rngs=nnx.Rngs(args.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   loss_fn = make_loss_fn(graphdef)
-  tx = make_optimizer(args)
-
-  # The named remat policies act on the activations the GPT tags.
-  names = (("attn_output", "mlp_hidden")
-           if args.remat in ("save_only_named", "offload_to_host") else ())
-  zero_config = zj.ZeroConfig(stage=args.stage, remat=args.remat,
-                              remat_names=names,
-                              compute_dtype=args.compute_dtype)
-  engine = zj.Engine(loss_fn, tx, zero_config, mesh)
+  tx, schedule = make_optimizer(args)
+  zero_config = make_zero_config(args)
+  engine = zj.Engine(loss_fn, tx, zero_config, mesh, lr_schedule=schedule)
   state = engine.init(params)
+  # A DeepSpeed config fixes the global batch; else --batch-size does.
+  batch_size = engine.train_batch_size or args.batch_size
 
   print(f"devices: {n} x {jax.devices()[0].platform} "
         f"({jax.devices()[0].device_kind})")
   print(f"data: {len(train_data):,} train / {len(val_data):,} val bytes of "
         "Python stdlib source")
   print(f"model: {config}, {param_count(params):,} parameters")
-  print(f"run: {vars(args)}\n")
+  print(f"run: {vars(args)}")
+  print(f"zero config: {zero_config}")
+  print(f"global batch {batch_size} = {engine.grad_accum_steps} "
+        f"micro-batch(es) x {n} device(s) x "
+        f"{batch_size // (engine.grad_accum_steps * n)} sequences\n")
   print(engine.describe(), "\n")
 
   # ---------------------------------------------------------------- train
-  tokens_per_step = args.batch_size * args.seq_len
+  n_params = param_count(params)
+  # MFU where the device's peak is known (not on CPU).
+  meter = zm.Throughput(
+      batch_size * args.seq_len,
+      flops_per_token=zm.transformer_flops_per_token(
+          n_params, args.layers, args.seq_len, args.d_model),
+      peak=zm.peak_flops(), num_devices=n)
+  log = zm.JsonlLogger(args.log_jsonl) if args.log_jsonl else None
   t_train = time.perf_counter()
-  for step in range(1, args.steps + 1):
-    batch = get_batch(train_data, args.batch_size, args.seq_len, np_rng)
-    state, metrics = engine.step(state, batch)
-    if step == 1:
-      # The first step compiles; keep it out of the throughput numbers.
-      loss = float(jax.block_until_ready(metrics["loss"]))
-      t_compile = time.perf_counter() - t_train
-      print(f"step {step:5d} | loss {loss:.4f} | compile + first step "
-            f"{t_compile:.1f}s")
-      t_log, last_log = time.perf_counter(), step
-    elif step % args.log_every == 0 or step == args.steps:
-      loss = float(jax.block_until_ready(metrics["loss"]))
-      now = time.perf_counter()
-      tok_s = (step - last_log) * tokens_per_step / (now - t_log)
-      print(f"step {step:5d} | loss {loss:.4f} | {tok_s:8,.0f} tok/s | "
-            f"elapsed {now - t_train:6.1f}s")
-      t_log, last_log = now, step
+  with zm.ProgressBar(args.steps, every=args.log_every,
+                      stream=sys.stdout) as bar:
+    for step in range(1, args.steps + 1):
+      batch = get_batch(train_data, batch_size, args.seq_len, np_rng)
+      state, metrics = engine.step(state, batch)
+      # Waiting for each step makes tokens/s exact; the first step compiles
+      # and is left out of it.
+      jax.block_until_ready(metrics)
+      meter.update()
+      if step == 1:
+        print(f"compile + first step {time.perf_counter() - t_train:.1f}s")
+      shown = {k: metrics[k] for k in ("loss", "grad_norm", "learning_rate",
+                                       "loss_scale", "skipped_steps")
+               if k in metrics}
+      shown.update(meter.rates())
+      bar.update(step, **shown)
+      if log is not None:
+        log.log(step, **metrics, **meter.rates())
+      if step % args.log_every == 0:
+        meter.window()
+  if log is not None:
+    log.close()
+  if meter.tokens_per_second:
+    mfu = f", MFU {100 * meter.mfu:.1f}%" if meter.mfu is not None else ""
+    print(f"throughput {meter.tokens_per_second:,.0f} tok/s over steps "
+          f"2-{args.steps}{mfu}")
 
   # ------------------------------------------------------------- evaluate
   full = engine.gather_params(state)
@@ -264,11 +322,11 @@ def main() -> None:
   val_rng = np.random.default_rng(args.seed + 1)
   val_losses = [
       float(eval_loss(full, engine.shard_batch(
-          get_batch(val_data, args.batch_size, args.seq_len, val_rng))))
+          get_batch(val_data, batch_size, args.seq_len, val_rng))))
       for _ in range(8)
   ]
   print(f"\nvalidation loss {np.mean(val_losses):.4f} "
-        f"({8 * args.batch_size} held-out windows)")
+        f"({8 * batch_size} held-out windows)")
 
   # Greedy sample: slide a seq_len window over a buffer, one jit for all.
   n_new = 100
@@ -301,7 +359,7 @@ def main() -> None:
 
   # ---------------------------------------------------------- memory table
   if not args.skip_memory_table:
-    batch = get_batch(train_data, args.batch_size, args.seq_len, np_rng)
+    batch = get_batch(train_data, batch_size, args.seq_len, np_rng)
     memory_table(loss_fn, tx, params, batch, mesh, zero_config, args.plot)
   print(f"\ntotal {time.perf_counter() - t_start:.1f}s")
 

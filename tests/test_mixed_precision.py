@@ -12,8 +12,15 @@ from zero_jax import hlo
 BF16 = jnp.bfloat16
 
 
-def _bf16(tree):
-  return jax.tree.map(lambda x: x.astype(BF16), tree)
+def _cast(tree, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+def _setup(model):
+  """The model with 20 steps of batches."""
+  if model == "mlp":
+    return m.mlp_loss, m.mlp_params(), m.mlp_batches(steps=20)
+  return m.gpt_setup(steps=20)
 
 
 def _global_rel_err(a, b) -> float:
@@ -25,34 +32,43 @@ def _global_rel_err(a, b) -> float:
   return float(np.linalg.norm(flat(a) - flat(b)) / np.linalg.norm(flat(b)))
 
 
-@pytest.fixture(scope="module", params=["mlp", "gpt"])
-def bf16_reference(request):
+@pytest.fixture(scope="module",
+                params=[("mlp", "bfloat16"), ("gpt", "bfloat16"),
+                        ("gpt", "float16")], ids="-".join)
+def low_precision_reference(request):
   """Single-device training of the same fp32 master params, the forward and
-  backward on their bf16 cast: what mixed precision is supposed to be."""
-  model = request.param
-  loss_fn, params, batches = m.MODELS[model]()
+  backward on their 16-bit cast: what mixed precision is supposed to be."""
+  model, dtype = request.param
+  loss_fn, params, batches = _setup(model)
   tx = m.OPTIMIZERS["adamw"](m.LR_SCALE[model])
-  ref = m.train_reference(lambda p, b: loss_fn(_bf16(p), b), tx, params,
-                          batches)
-  return model, ref
+  ref = m.train_reference(lambda p, b: loss_fn(_cast(p, dtype), b), tx,
+                          params, batches)
+  return model, dtype, ref
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_bf16_tracks_single_device_bf16(bf16_reference, stage):
-  model, (ref_losses, ref_params) = bf16_reference
-  loss_fn, params, batches = m.MODELS[model]()
+def test_16bit_tracks_single_device_16bit(low_precision_reference, stage):
+  # 20 steps. float16 runs with dynamic loss scaling from 2**16, and no
+  # step may overflow; the reference scales nothing, so scaling is exact.
+  model, dtype, (ref_losses, ref_params) = low_precision_reference
+  loss_fn, params, batches = _setup(model)
   engine = zj.Engine(loss_fn, m.OPTIMIZERS["adamw"](m.LR_SCALE[model]),
                      zj.ZeroConfig(stage=stage, min_shard_elements=0,
-                                   compute_dtype="bfloat16"),
+                                   compute_dtype=dtype),
                      zj.make_mesh(num_devices=8))
   losses, params_out, state = m.train_engine(engine, params, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)
   assert _global_rel_err(params_out, ref_params) < 2e-2
-  # fp32 master and optimizer state; the bf16 copy only at stages 1-2.
+  if dtype == "float16":
+    assert int(state.loss_scale.skipped) == 0
+    assert float(state.loss_scale.scale) == 2.0 ** 16
+  else:
+    assert state.loss_scale is None
+  # fp32 master and optimizer state; the 16-bit copy only at stages 1-2.
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
   if stage in (1, 2):
     for x in jax.tree.leaves(state.compute_params):
-      assert x.dtype == BF16 and x.sharding.is_fully_replicated
+      assert x.dtype == dtype and x.sharding.is_fully_replicated
     for x, lp in zip(jax.tree.leaves(state.params),
                      jax.tree.leaves(engine.param_plan.leaves,
                                      is_leaf=lambda x: isinstance(x, zj.LeafPlan))):

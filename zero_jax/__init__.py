@@ -1,8 +1,11 @@
 """zero_jax: ZeRO (stages 0-3) for JAX as layouts plus explicit collectives."""
 
+from zero_jax import metrics
 from zero_jax.config import ZeroConfig
+from zero_jax.deepspeed import from_deepspeed
 from zero_jax.engine import Engine, TrainState
 from zero_jax.flax_layers import scan_linen, scan_nnx
+from zero_jax.loss_scale import LossScaleState
 from zero_jax.layers import (REMAT_POLICIES, checkpoint_name, remat_policy,
                              scan_layers)
 from zero_jax.memory import (estimate_activations, estimate_comm,
@@ -13,6 +16,7 @@ from zero_jax.plan import LeafPlan, Plan, plan_leaf
 __all__ = [
     "Engine",
     "LeafPlan",
+    "LossScaleState",
     "Plan",
     "REMAT_POLICIES",
     "TrainState",
@@ -21,7 +25,9 @@ __all__ = [
     "estimate_activations",
     "estimate_comm",
     "estimate_memory",
+    "from_deepspeed",
     "make_mesh",
+    "metrics",
     "plan_leaf",
     "remat_policy",
     "scan_layers",

@@ -47,6 +47,33 @@ class ZeroConfig:
       default) sums in float32 whatever the compute dtype: exact sums cost
       twice the reduce-scatter bytes of bf16; set ``"bfloat16"`` to halve
       them.
+    grad_accum_steps: micro-batches per step, run by a scan inside the
+      jitted step. None: 1, or derived from the batch sizes below by
+      DeepSpeed's rule. Stages 0-1 accumulate each device's full gradient
+      and reduce it once; stages 2-3 reduce every micro-batch's gradient
+      and accumulate the shard.
+    train_batch_size: global batch per step (all devices, all
+      micro-batches); ``step`` rejects any other. Optional.
+    micro_batch_size: examples per device per micro-batch (DeepSpeed's
+      ``train_micro_batch_size_per_gpu``). Optional; see ``batch_sizes``.
+    clip_grad_norm: clip gradients to this global norm over the whole model
+      (optax's ``clip_by_global_norm`` semantics), computed exactly across
+      every shard. None: no clipping. The pre-clip norm is always reported
+      as the ``grad_norm`` metric.
+    loss_scale: float16 compute only. 0 (the default): dynamic loss scaling
+      with DeepSpeed's rules (below); > 0: this static scale. A step whose
+      gradients hold an inf or nan on any device is skipped on all devices.
+    initial_scale_power: dynamic scaling starts at 2**this.
+    loss_scale_window: clean steps after which the dynamic scale doubles.
+    hysteresis: overflows tolerated before the scale halves (DeepSpeed's
+      ``delayed_shift``; reset when the scale doubles).
+    min_loss_scale: the dynamic scale never goes below this; an overflow at
+      this scale is an error (training has diverged).
+    consecutive_hysteresis: refill the hysteresis on every clean step
+      rather than only when the scale doubles.
+    offload_optimizer: ``"host"`` keeps the optimizer state in pinned host
+      memory between steps (streamed to the device for the update); None
+      keeps it on the device.
   """
 
   stage: int = 3
@@ -56,6 +83,17 @@ class ZeroConfig:
   remat_names: tuple[str, ...] = ()
   compute_dtype: str | None = None
   reduce_dtype: str | None = None
+  grad_accum_steps: int | None = None
+  train_batch_size: int | None = None
+  micro_batch_size: int | None = None
+  clip_grad_norm: float | None = None
+  loss_scale: float = 0.0
+  initial_scale_power: int = 16
+  loss_scale_window: int = 1000
+  hysteresis: int = 2
+  min_loss_scale: float = 1.0
+  consecutive_hysteresis: bool = False
+  offload_optimizer: str | None = None
 
   def __post_init__(self):
     if isinstance(self.stage, bool) or self.stage not in _STAGES:
@@ -84,11 +122,105 @@ class ZeroConfig:
         raise ValueError(f"ZeroConfig.{name} must be None or one of "
                          f"{_COMPUTE_DTYPES}, got {value!r}")
       object.__setattr__(self, name, canonical)
+    for name in ("grad_accum_steps", "train_batch_size", "micro_batch_size"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool)
+                                or not isinstance(value, int) or value < 1):
+        raise ValueError(f"ZeroConfig.{name} must be None or an integer >= 1,"
+                         f" got {value!r}")
+    if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+      raise ValueError(f"ZeroConfig.clip_grad_norm must be None (no clipping)"
+                       f" or > 0, got {self.clip_grad_norm!r}")
+    if self.loss_scale < 0:
+      raise ValueError(f"ZeroConfig.loss_scale must be 0 (dynamic) or > 0 "
+                       f"(static), got {self.loss_scale!r}")
+    if self.loss_scale > 0 and self.compute_dtype != "float16":
+      raise ValueError(
+          "ZeroConfig.loss_scale only applies to compute_dtype='float16' "
+          f"(got compute_dtype={self.compute_dtype!r}); bfloat16 and float32 "
+          "have float32's range and need no loss scaling.")
+    if self.loss_scale_window < 1 or self.hysteresis < 1:
+      raise ValueError("ZeroConfig.loss_scale_window and hysteresis must be "
+                       f">= 1, got {self.loss_scale_window!r} and "
+                       f"{self.hysteresis!r}")
+    if not 0 < self.min_loss_scale <= 2.0 ** self.initial_scale_power:
+      raise ValueError(
+          f"ZeroConfig.min_loss_scale must be > 0 and at most the initial "
+          f"scale 2**{self.initial_scale_power}, got {self.min_loss_scale!r}")
+    if self.offload_optimizer not in (None, "host"):
+      raise ValueError(
+          f"ZeroConfig.offload_optimizer must be None or 'host', got "
+          f"{self.offload_optimizer!r}" + (
+              "; offload to disk (NVMe) is not implemented"
+              if self.offload_optimizer in ("nvme", "disk") else ""))
     if self.min_shard_elements < 0:
       raise ValueError(
           f"ZeroConfig.min_shard_elements must be >= 0, got "
           f"{self.min_shard_elements}; use 0 to shard every leaf that has a "
           "dimension divisible by the number of devices.")
+
+  @property
+  def dynamic_loss_scale(self) -> bool:
+    """Whether steps use DeepSpeed-style dynamic loss scaling."""
+    return self.compute_dtype == "float16" and self.loss_scale == 0
+
+  def batch_sizes(self, world_size: int) -> tuple[int | None, int | None,
+                                                  int]:
+    """Resolves the batch sizes on ``world_size`` devices, DeepSpeed's way.
+
+    ``train_batch_size = micro_batch_size * grad_accum_steps * world_size``:
+    any two of the three give the third; one alone leaves
+    ``grad_accum_steps`` at 1; none leaves the global batch free.
+
+    Args:
+      world_size: devices the batch is split over (every mesh axis).
+
+    Returns:
+      ``(train_batch_size, micro_batch_size, grad_accum_steps)``; the first
+      two are None when the config leaves the batch free.
+
+    Raises:
+      ValueError: the three contradict each other or do not divide.
+    """
+    train, micro, accum = (self.train_batch_size, self.micro_batch_size,
+                           self.grad_accum_steps)
+    given = (f"train_batch_size={train}, micro_batch_size={micro}, "
+             f"grad_accum_steps={accum}, {world_size} devices")
+    if train is None and micro is None:
+      return None, None, accum or 1
+    if train is None:
+      accum = accum or 1
+      return micro * accum * world_size, micro, accum
+    if micro is None:
+      accum = accum or 1
+      if train % (accum * world_size):
+        raise ValueError(
+            f"train_batch_size {train} is not divisible by grad_accum_steps "
+            f"x devices = {accum * world_size} ({given})")
+      return train, train // (accum * world_size), accum
+    if accum is None:
+      if train % (micro * world_size):
+        raise ValueError(
+            f"train_batch_size {train} is not divisible by micro_batch_size "
+            f"x devices = {micro * world_size} ({given})")
+      return train, micro, train // (micro * world_size)
+    if train != micro * accum * world_size:
+      raise ValueError(
+          f"batch sizes contradict: train_batch_size must equal "
+          f"micro_batch_size x grad_accum_steps x devices = "
+          f"{micro} x {accum} x {world_size} = {micro * accum * world_size} "
+          f"({given}); drop one of the three to have it derived")
+    return train, micro, accum
+
+  @classmethod
+  def from_deepspeed(cls, config: Any, *,
+                     unsupported: str = "error") -> "ZeroConfig":
+    """Translates a DeepSpeed JSON config (a path or a dict).
+
+    See ``zero_jax.deepspeed.from_deepspeed`` for the keys understood.
+    """
+    from zero_jax import deepspeed  # pylint: disable=g-import-not-at-top
+    return deepspeed.from_deepspeed(config, unsupported=unsupported)
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ZeroConfig":

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import collectives, layers
+from zero_jax import collectives, layers, loss_scale as _ls
 from zero_jax.config import ZeroConfig
 from zero_jax.mesh import DATA, REPLICA, batch_axes
 from zero_jax.plan import LeafPlan, Plan, path_str
@@ -36,6 +36,7 @@ class TrainState:
     compute_params: stages 1-2 with a ``compute_dtype`` only (else None): the
       replicated compute-dtype copy of ``params`` that forward uses,
       refreshed by an all-gather after every update.
+    loss_scale: float16 compute only (else None): the ``LossScaleState``.
   """
 
   step: jax.Array
@@ -43,6 +44,7 @@ class TrainState:
   opt_state: Any
   rng: jax.Array
   compute_params: Any = None
+  loss_scale: _ls.LossScaleState | None = None
 
 
 class _StepFunction:
@@ -53,7 +55,16 @@ class _StepFunction:
   of devices); host (numpy) leaves are placed on the mesh first (in
   multi-process runs each process passes its own slice of the global batch).
   ``state`` is donated. ``metrics`` holds ``"loss"`` (the mean over the global
-  batch) and, with ``has_aux``, ``"aux"``.
+  batch), ``"grad_norm"`` (the global gradient norm over the whole model,
+  before clipping), ``"learning_rate"`` when the engine was given
+  ``lr_schedule``, with float16 loss scaling ``"loss_scale"`` (the scale
+  this step used), ``"skipped"`` (this step overflowed and changed nothing
+  but the scale) and ``"skipped_steps"`` (the running total), and, with
+  ``has_aux``, ``"aux"``.
+
+  An overflow at the minimum loss scale means training has diverged: the
+  next call raises ``FloatingPointError`` (checked one step late, so the
+  host never waits for the step it has just dispatched).
 
   ``engine.step.lower(state, batch)`` returns the jitted step's ``Lowered``,
   so ``.compile()`` gives the compiled step for memory and HLO analysis;
@@ -62,6 +73,7 @@ class _StepFunction:
 
   def __init__(self, engine: "Engine"):
     self._engine = engine
+    self._at_min = None  # the previous step's overflow-at-minimum flag
 
   @property
   def jitted(self):
@@ -72,7 +84,21 @@ class _StepFunction:
 
   def __call__(self, state: TrainState, batch: Any):
     jitted = self.jitted
-    return jitted(state, self._engine.shard_batch(batch))
+    self.check()
+    state, metrics = jitted(state, self._engine.shard_batch(batch))
+    self._at_min = metrics.get("overflow_at_min_scale")
+    return state, metrics
+
+  def check(self) -> None:
+    """Raises if the last step overflowed at the minimum loss scale."""
+    flag, self._at_min = self._at_min, None
+    if flag is not None and bool(flag):
+      cfg = self._engine.config
+      raise FloatingPointError(
+          f"float16 gradients overflowed at the minimum loss scale "
+          f"{cfg.min_loss_scale} (ZeroConfig.min_loss_scale): training has "
+          "diverged. Lower the learning rate, clip gradients "
+          "(clip_grad_norm), lower min_loss_scale, or train in bfloat16.")
 
   def lower(self, state: TrainState, batch: Any):
     jitted = self.jitted
@@ -98,13 +124,21 @@ class Engine:
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux (a pytree of arrays)
       is averaged over devices into the step's metrics under ``"aux"``.
     with_rng: ``loss_fn`` takes a third argument, a PRNG key that differs on
-      every step and on every device (``fold_in(fold_in(seed_key, step),
-      device_index)``): use it for dropout.
+      every step, micro-batch and device: use it for dropout.
+    lr_schedule: the optax schedule ``tx`` uses, if any: the step's
+      learning rate is then reported as the ``learning_rate`` metric (taken
+      at the count of updates applied, as optax does: skipped steps do not
+      advance it).
+
+  Raises:
+    ValueError: the config's batch sizes contradict each other on this
+      mesh (see ``ZeroConfig.batch_sizes``).
   """
 
   def __init__(self, loss_fn: Callable[..., Any],
                tx: optax.GradientTransformation, config: ZeroConfig,
-               mesh: Mesh, *, has_aux: bool = False, with_rng: bool = False):
+               mesh: Mesh, *, has_aux: bool = False, with_rng: bool = False,
+               lr_schedule: Callable[[jax.Array], jax.Array] | None = None):
     if DATA not in mesh.axis_names:
       raise ValueError(f"mesh must have a {DATA!r} axis (use "
                        f"zero_jax.make_mesh()); got axes {mesh.axis_names}")
@@ -127,6 +161,11 @@ class Engine:
     # Stages 1-2 with low-precision compute keep a replicated compute copy
     # next to the sharded fp32 master (the paper's layout).
     self._keep_compute = config.stage in (1, 2) and self._cd is not None
+    self.lr_schedule = lr_schedule
+    (self.train_batch_size, self.micro_batch_size,
+     self.grad_accum_steps) = config.batch_sizes(self.num_devices)
+    # Loss scaling: float16 only (bfloat16 has float32's range).
+    self._scaled = config.compute_dtype == "float16"
     self._jitted = None
     self.step = _StepFunction(self)
     self.param_plan: Plan | None = None
@@ -166,10 +205,18 @@ class Engine:
     else:
       param_shardings = self.param_plan.shardings
     replicated = self._sharding(P())
+    opt_shardings = self.opt_plan.shardings
+    if cfg.offload_optimizer == "host":
+      # Between steps the optimizer state lives in host memory; the step
+      # streams it to the device and back (see _train_step).
+      opt_shardings = jax.tree.map(
+          lambda sh: sh.with_memory_kind("pinned_host"), opt_shardings)
     self.state_shardings = TrainState(
         step=replicated, params=param_shardings,
-        opt_state=self.opt_plan.shardings, rng=replicated,
-        compute_params=replicated_tree if self._keep_compute else None)
+        opt_state=opt_shardings, rng=replicated,
+        compute_params=replicated_tree if self._keep_compute else None,
+        loss_scale=(jax.tree.map(lambda _: replicated, _ls.init(cfg))
+                    if self._scaled else None))
     self._batch_sharding = self._sharding(self._batch_spec)
     self._jitted = jax.jit(self._train_step, donate_argnums=0,
                            out_shardings=(self.state_shardings, replicated))
@@ -197,7 +244,9 @@ class Engine:
       return TrainState(step=jnp.zeros((), jnp.int32), params=master,
                         opt_state=self.tx.init(master),
                         rng=jax.random.PRNGKey(self.config.seed),
-                        compute_params=compute)
+                        compute_params=compute,
+                        loss_scale=(_ls.init(self.config) if self._scaled
+                                    else None))
 
     # Straight into the final layout (no device ever holds a full copy of a
     # sharded leaf), and always a copy (may_alias=False): later steps donate
@@ -273,6 +322,9 @@ class Engine:
 
   def replicated_params(self) -> list[str]:
     """Paths of parameter leaves that are not sharded."""
+    if self.param_plan is None:
+      raise RuntimeError("call engine.init(params) before "
+                         "engine.replicated_params()")
     return [p for p, lp in self.param_plan.rows() if not lp.sharded]
 
   # ----------------------------------------------------------------- step
@@ -281,20 +333,34 @@ class Engine:
     if not shape:
       raise ValueError("batch leaves need a leading batch dimension; got a "
                        "scalar")
-    n = self.num_devices
-    if global_size % n:
+    if (self.train_batch_size is not None
+        and global_size != self.train_batch_size):
       raise ValueError(
-          f"global batch size {global_size} is not divisible by the "
-          f"{n} devices of the mesh; use a global batch that is a "
-          f"multiple of {n} (e.g. {max(1, global_size // n) * n}).")
+          f"global batch size {global_size} differs from the config's "
+          f"train_batch_size {self.train_batch_size} (micro_batch_size "
+          f"{self.micro_batch_size} x grad_accum_steps "
+          f"{self.grad_accum_steps} x {self.num_devices} devices); pass "
+          f"batches of {self.train_batch_size} examples")
+    n = self.num_devices * self.grad_accum_steps
+    if global_size % n:
+      what = f"the {self.num_devices} devices of the mesh"
+      if self.grad_accum_steps > 1:
+        what += f" x {self.grad_accum_steps} micro-batches (grad_accum_steps)"
+      raise ValueError(
+          f"global batch size {global_size} is not divisible by {what}; use "
+          f"a global batch that is a multiple of {n} (e.g. "
+          f"{max(1, global_size // n) * n}).")
 
-  def _loss_and_grads(self, params, compute_params, batch, rng):
+  def _loss_and_grads(self, params, compute_params, batch, rng, scale):
     """Per-device loss and gradients, reduced into the ZeRO layout.
 
-    Gradients come back in float32 whatever the compute dtype.
+    Gradients come back in float32 whatever the compute dtype, summed over
+    the global batch and every micro-batch, and multiplied by ``scale`` (the
+    loss scale, or None).
     """
     cfg = self.config
     stage, axes, cd, rd = cfg.stage, self.axes, self._cd, self._rd
+    accum = self.grad_accum_steps
     plans = self.param_plan.leaves
     is_plan = lambda x: isinstance(x, LeafPlan)
     leaves = lambda t: jax.tree.leaves(t, is_leaf=is_plan)
@@ -303,71 +369,106 @@ class Engine:
         lambda x: x.astype(cd), t)
     record = lambda recorded: layers._recording(recorded, cfg.remat,
                                                 cfg.remat_names)
+    # Scaling by 1/(devices * micro-batches) makes the summed gradient the
+    # mean over the global batch.
+    divisor = self.num_devices * accum
+    unflatten = lambda full: jax.tree.unflatten(jax.tree.structure(params),
+                                                full)
 
-    def local(params, compute_params, batch, rng):
-      key = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+    def local(params, compute_params, batch, rng, scale):
+      source = compute_params if self._keep_compute else params
 
-      def loss_of(full):
+      def loss_of(full, batch, key):
         args = (full, batch, key) if self.with_rng else (full, batch)
         out = self.loss_fn(*args)
         loss, aux = out if self.has_aux else (out, None)
-        # Scaling by 1/devices makes the summed (reduced) gradient the mean
-        # over the global batch.
-        return loss / self.num_devices, (loss, aux)
+        scaled = loss / divisor
+        if scale is not None:
+          scaled = scaled * scale
+        return scaled, (loss, aux)
 
+      # What we differentiate with respect to. Each gradient comes back with
+      # its argument's layout, so the arguments decide where reduction
+      # happens. Replicated leaves are marked device-varying here, outside
+      # the gradient, so their gradients stay local and are all-reduced once
+      # after the last micro-batch.
       if stage in (0, 1):
-        # Gradients stay local (pcast) until we reduce them all at once.
-        source = compute_params if self._keep_compute else params
-        x = jax.tree.map(varying, source)
-        with record({}):
-          g, (loss, aux) = jax.grad(lambda x: loss_of(cast(x)),
-                                    has_aux=True)(x)
-        g = collectives.reduce_tree(plans, g, rd, jnp.float32)
+        # Stages 0-1: local full gradients, reduced at the end.
+        wrt = jax.tree.map(varying, source)
       elif stage == 2:
-        # Differentiate with respect to zero-valued stand-ins of each shard:
-        # each leaf's gradient is reduce-scattered as backward produces it.
-        # Replicated leaves are differentiated directly (their gradient is
-        # all-reduced by pcast's transpose).
-        source = compute_params if self._keep_compute else params
-        shards = jax.tree.map(
+        # Zero-valued stand-ins of each shard: each leaf's gradient is
+        # reduce-scattered as backward produces it.
+        wrt = jax.tree.map(
             lambda lp, p: (jax.lax.pcast(jnp.zeros(lp.local_shape(self.n),
                                                    jnp.float32),
                                          DATA, to="varying")
                            if lp.sharded else varying(p)),
             plans, params, is_leaf=is_plan)
+      else:
+        # Stage 3: the shards themselves; gather at use, and the gather's
+        # transpose reduce-scatters.
+        wrt = jax.tree.map(lambda lp, p: p if lp.sharded else varying(p),
+                           plans, params, is_leaf=is_plan)
 
-        def loss_of_shards(shards):
+      def grads_of(batch, key):
+        if stage in (0, 1):
+          fn = lambda x: loss_of(cast(x), batch, key)
+          with record({}):
+            g, (loss, aux) = jax.grad(fn, has_aux=True)(wrt)
+          return g, loss, aux
+
+        def loss_of_wrt(wrt):
           full, recorded = [], {}
-          for lp, s, src in zip(leaves(plans), leaves(shards), leaves(source)):
-            if lp.sharded:
-              src = varying(src)
-              f = collectives.use_with_scattered_grad(lp, s, src, rd)
-              recorded[id(f)] = layers._Recorded("scatter", lp, s, src,
-                                                 cd, rd)
+          for lp, w, src in zip(leaves(plans), leaves(wrt), leaves(source)):
+            if not lp.sharded:
+              f = w if cd is None else w.astype(cd)
+            elif stage == 2:
+              f = collectives.use_with_scattered_grad(lp, w, varying(src), rd)
+              recorded[id(f)] = layers._Recorded("scatter", lp, w,
+                                                 varying(src), cd, rd)
             else:
-              f = s if cd is None else s.astype(cd)
+              f = collectives.gather_leaf(lp, w, cd, rd)
+              recorded[id(f)] = layers._Recorded("gather", lp, w, None, cd,
+                                                 rd)
             full.append(f)
           with record(recorded):
-            return loss_of(jax.tree.unflatten(jax.tree.structure(params),
-                                              full))
+            return loss_of(unflatten(full), batch, key)
 
-        g, (loss, aux) = jax.grad(loss_of_shards, has_aux=True)(shards)
-        g = jax.tree.map(lambda lp, x: x if lp.sharded else
-                         jax.lax.psum(x, axes), plans, g, is_leaf=is_plan)
+        g, (loss, aux) = jax.grad(loss_of_wrt, has_aux=True)(wrt)
+        return g, loss, aux
+
+      key = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+      if accum == 1:
+        g, loss, aux = grads_of(batch, key)
       else:
-        # Stage 3: gather at use; the gather's transpose reduce-scatters.
-        # Replicated leaves are only marked varying; that mark's transpose
-        # all-reduces their gradients.
-        def loss_of_shards(p):
-          full = collectives.gather_tree(plans, p, cd, rd)
-          recorded = {
-              id(f): layers._Recorded("gather", lp, s, None, cd, rd)
-              for lp, f, s in zip(leaves(plans), leaves(full), leaves(p))
-              if lp.sharded}
-          with record(recorded):
-            return loss_of(full)
+        # A scan over micro-batches. The accumulator has the layout of the
+        # gradients: a full local copy at stages 0-1, shards at stages 2-3.
+        micro = jax.tree.map(
+            lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]),
+            batch)
+        acc = jax.tree.map(
+            lambda lp, w: (jax.lax.pcast(jnp.zeros(w.shape, jnp.float32),
+                                         DATA, to="varying")
+                           if stage >= 2 and lp.sharded else
+                           varying(jnp.zeros(w.shape, jnp.float32))),
+            plans, wrt, is_leaf=is_plan)
 
-        g, (loss, aux) = jax.grad(loss_of_shards, has_aux=True)(params)
+        def body(acc, xs):
+          b, i = xs
+          g, loss, aux = grads_of(b, jax.random.fold_in(key, i))
+          acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
+          return acc, (loss, aux)
+
+        g, (losses, auxes) = jax.lax.scan(body, acc,
+                                          (micro, jnp.arange(accum)))
+        loss = jnp.mean(losses)
+        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
+      if stage in (0, 1):
+        g = collectives.reduce_tree(plans, g, rd, jnp.float32)
+      else:
+        g = jax.tree.map(lambda lp, x: x if lp.sharded else
+                         jax.lax.psum(x.astype(jnp.float32), axes),
+                         plans, g, is_leaf=is_plan)
       loss = jax.lax.pmean(loss, axes)
       aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
       return g, loss, aux
@@ -378,9 +479,10 @@ class Engine:
     in_compute = replicated if self._keep_compute else None
     grad_specs = replicated if stage == 0 else self.param_plan.specs
     fn = jax.shard_map(local, mesh=self.mesh,
-                       in_specs=(in_params, in_compute, self._batch_spec, P()),
+                       in_specs=(in_params, in_compute, self._batch_spec, P(),
+                                 None if scale is None else P()),
                        out_specs=(grad_specs, P(), P()))
-    return fn(params, compute_params, batch, rng)
+    return fn(params, compute_params, batch, rng, scale)
 
   def _gather_replicated(self, tree, dtype=None):
     """Explicit all-gather of sharded leaves into replicated copies, cast to
@@ -405,17 +507,59 @@ class Engine:
   def _train_step(self, state: TrainState, batch: Any):
     for x in jax.tree.leaves(batch):
       self._check_batch_dim(x.shape, x.shape[0] if x.ndim else None)
-    stage = self.config.stage
+    cfg = self.config
+    stage = cfg.stage
     rng = jax.random.fold_in(state.rng, state.step)
+    scale = state.loss_scale.scale if self._scaled else None
     grads, loss, aux = self._loss_and_grads(state.params, state.compute_params,
-                                            batch, rng)
+                                            batch, rng, scale)
+    if scale is not None:
+      grads = jax.tree.map(lambda g: g / scale, grads)
+    # Outside shard_map the gradients are global (sharded) arrays, so the
+    # norm is over the whole model, exactly; XLA inserts the reduction.
+    norm = optax.tree.norm(grads)
+    if cfg.clip_grad_norm is not None:
+      c = cfg.clip_grad_norm
+      # optax.clip_by_global_norm's formula, on the norm already computed.
+      grads = jax.tree.map(
+          lambda g: jnp.where(norm < c, g, g / norm.astype(g.dtype) * c),
+          grads)
     master = state.params
     if stage in (1, 2) and not self._keep_compute:
       # Slicing a replicated array to its shard is local: no communication.
       master = jax.lax.with_sharding_constraint(master,
                                                 self.param_plan.shardings)
-    updates, opt_state = self.tx.update(grads, state.opt_state, master)
-    master = optax.apply_updates(master, updates)
+    opt_state = state.opt_state
+    if cfg.offload_optimizer == "host":
+      opt_state = jax.device_put(opt_state, jax.tree.map(
+          lambda sh: sh.with_memory_kind("device"),
+          self.state_shardings.opt_state))
+
+    def apply(master, opt_state):
+      updates, opt_state = self.tx.update(grads, opt_state, master)
+      return optax.apply_updates(master, updates), opt_state
+
+    metrics = {"loss": loss, "grad_norm": norm}
+    loss_scale = state.loss_scale
+    applied = state.step
+    if self._scaled:
+      # One flag for the whole model: an overflow in any shard on any device
+      # skips the update everywhere (jnp.all over global arrays reduces
+      # across devices).
+      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
+                                  for g in jax.tree.leaves(grads)]))
+      master, opt_state = jax.lax.cond(finite, apply, lambda m, o: (m, o),
+                                       master, opt_state)
+      applied = state.step - loss_scale.skipped
+      loss_scale, at_min = _ls.update(loss_scale, finite, cfg)
+      metrics.update(loss_scale=scale, skipped=jnp.logical_not(finite),
+                     skipped_steps=loss_scale.skipped,
+                     overflow_at_min_scale=at_min)
+    else:
+      master, opt_state = apply(master, opt_state)
+    if self.lr_schedule is not None:
+      # The rate of this update: optax's count is the updates applied before.
+      metrics["learning_rate"] = self.lr_schedule(applied)
     compute_params = None
     if self._keep_compute:
       compute_params = self._gather_replicated(master, self._cd)
@@ -423,8 +567,8 @@ class Engine:
       master = self._gather_replicated(master)
     new_state = TrainState(step=state.step + 1, params=master,
                            opt_state=opt_state, rng=state.rng,
-                           compute_params=compute_params)
-    metrics = {"loss": loss}
+                           compute_params=compute_params,
+                           loss_scale=loss_scale)
     if self.has_aux:
       metrics["aux"] = aux
     return new_state, metrics

@@ -1,0 +1,61 @@
+"""The demo trains from a DeepSpeed config, as a migrating user brings it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The issue's config, verbatim: stage 2, fp16 with dynamic loss scaling,
+# optimizer offload to CPU (with an NVMe path that CPU offload ignores), and
+# DeepSpeed's batch arithmetic: 32 = 8 per device x 4 micro-batches x 1.
+DEEPSPEED = {
+    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
+    "zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "nvme_path": "/local_nvme/deepspeed"}},
+    "fp16": {"enabled": True}, "gradient_accumulation_steps": 4}
+
+
+def _run_demo(tmp_path, config, devices, steps=4):
+  path = tmp_path / "ds_config.json"
+  path.write_text(json.dumps(config))
+  log = tmp_path / "metrics.jsonl"
+  env = dict(os.environ, PYTHONPATH=_ROOT)
+  out = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "experiments", "train_gpt.py"),
+       "--deepspeed-config", str(path), "--devices", str(devices),
+       "--steps", str(steps), "--d-model", "32", "--layers", "1",
+       "--heads", "2", "--seq-len", "16", "--skip-memory-table",
+       "--log-jsonl", str(log)],
+      env=env, capture_output=True, text=True, timeout=300)
+  return out, log
+
+
+@pytest.mark.parametrize("micro,devices", [(8, 1), (1, 8)])
+def test_demo_trains_with_the_deepspeed_config(tmp_path, micro, devices):
+  config = dict(DEEPSPEED, train_micro_batch_size_per_gpu=micro)
+  out, log = _run_demo(tmp_path, config, devices)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "global batch 32 = 4 micro-batch(es)" in out.stdout
+  assert "offload_optimizer='host'" in out.stdout
+  rows = [json.loads(line) for line in log.read_text().splitlines()]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  for r in rows:
+    assert r["loss_scale"] >= 2.0 ** 15 and "grad_norm" in r
+    assert 0 < r["loss"] < 10 and "learning_rate" in r
+
+
+def test_demo_rejects_a_contradicting_config(tmp_path):
+  # micro 8 x accum 4 x 8 devices is not 32.
+  out, _ = _run_demo(tmp_path, DEEPSPEED, devices=8, steps=1)
+  assert out.returncode != 0
+  assert "batch sizes contradict" in out.stderr
+
+
+def test_demo_refuses_nvme_offload(tmp_path):
+  config = json.loads(json.dumps(DEEPSPEED))
+  config["zero_optimization"]["offload_optimizer"]["device"] = "nvme"
+  out, _ = _run_demo(tmp_path, config, devices=1, steps=1)
+  assert out.returncode != 0 and "nvme" in out.stderr.lower()
