@@ -318,6 +318,19 @@ class Engine:
     elif self.config.stage in (1, 2):
       lines.append("stages 1-2: parameters replicated for compute; each "
                    "device updates only its shard")
+    cfg = self.config
+    if cfg.offload_optimizer == "host":
+      lines.append("optimizer state offloaded to pinned host memory between "
+                   "steps")
+    if self._scaled:
+      lines.append("float16 loss scaling: " + (
+          f"static {cfg.loss_scale}" if cfg.loss_scale else
+          f"dynamic from 2**{cfg.initial_scale_power}, window "
+          f"{cfg.loss_scale_window}, hysteresis {cfg.hysteresis}, min "
+          f"{cfg.min_loss_scale}"))
+    if self.grad_accum_steps > 1 or cfg.clip_grad_norm is not None:
+      lines.append(f"{self.grad_accum_steps} micro-batch(es) per step; "
+                   f"clip to global norm {cfg.clip_grad_norm}")
     return "\n".join(lines)
 
   def replicated_params(self) -> list[str]:
