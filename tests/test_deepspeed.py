@@ -142,10 +142,6 @@ _UNSUPPORTED = [
     ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}, "optimizer",
      "optax"),
     ({"scheduler": {"type": "WarmupLR", "params": {}}}, "scheduler", "optax"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-     "zero_optimization.offload_param.device", "parameter offload"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-     "zero_optimization.offload_param.device", "parameter offload"),
     ({"activation_checkpointing": {"partition_activations": True}},
      "activation_checkpointing", "remat"),
     ({"amp": {"enabled": True}}, "amp", "bf16"),
@@ -193,11 +189,11 @@ def test_unsupported_key_warns_and_is_dropped(config, key, why):
 def test_every_unsupported_key_is_listed_once():
   config = {"optimizer": {}, "scheduler": {}, "wandb": {},
             "zero_optimization": {"stage": 3,
-                                  "offload_param": {"device": "cpu"}}}
+                                  "cpu_offload_param": True}}
   with pytest.raises(ValueError, match="4 keys") as info:
     zj.ZeroConfig.from_deepspeed(config)
   for key in ("optimizer", "scheduler", "wandb",
-              "zero_optimization.offload_param.device"):
+              "zero_optimization.cpu_offload_param"):
     assert f"  {key}: " in str(info.value)
   with pytest.warns(UserWarning) as record:
     cfg = zj.ZeroConfig.from_deepspeed(config, unsupported="warn")
@@ -389,3 +385,15 @@ def test_bad_types_error_naming_the_key(config, key):
   for mode in ("error", "warn"):
     with pytest.raises(ValueError, match=_key(key)):
       zj.ZeroConfig.from_deepspeed(config, unsupported=mode)
+
+
+def test_offload_param_maps_to_stage3_parameter_offload():
+  cfg = _load({"zero_optimization": {"stage": 3, "offload_param": {
+      "device": "cpu", "pin_memory": True}}})
+  assert cfg.offload_params == "host"
+  with pytest.raises(ValueError, match="nvme|NVMe"):
+    _load({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme"}}})
+  with pytest.raises(ValueError, match="stage=3"):
+    _load({"zero_optimization": {"stage": 2, "offload_param": {
+        "device": "cpu"}}})

@@ -72,8 +72,18 @@ class ZeroConfig:
     consecutive_hysteresis: refill the hysteresis on every clean step
       rather than only when the scale doubles.
     offload_optimizer: ``"host"`` keeps the optimizer state in pinned host
-      memory between steps (streamed to the device for the update); None
-      keeps it on the device.
+      memory between steps, and the fp32 master parameters too wherever
+      forward reads a separate compute-dtype copy (stages 1-2 with a
+      ``compute_dtype``; stage 3 with a ``compute_dtype`` keeps a sharded
+      compute copy on the device for that). None keeps both on the device.
+    offload_params: stage 3 only. ``"host"`` keeps the fp32 master shards in
+      pinned host memory; forward and backward copy each layer's shards to
+      the device just before gathering them (inside ``scan_layers``).
+    update_on: where the optimizer update runs when state is offloaded:
+      ``"device"`` (the default) streams the offloaded state to the device,
+      updates it there and streams it back; ``"host"`` runs the update on
+      the host (``jax.experimental.compute_on``), so the optimizer state
+      never occupies device memory.
   """
 
   stage: int = 3
@@ -94,6 +104,8 @@ class ZeroConfig:
   min_loss_scale: float = 1.0
   consecutive_hysteresis: bool = False
   offload_optimizer: str | None = None
+  offload_params: str | None = None
+  update_on: str = "device"
 
   def __post_init__(self):
     if isinstance(self.stage, bool) or self.stage not in _STAGES:
@@ -153,6 +165,23 @@ class ZeroConfig:
           f"{self.offload_optimizer!r}" + (
               "; offload to disk (NVMe) is not implemented"
               if self.offload_optimizer in ("nvme", "disk") else ""))
+    if self.offload_params not in (None, "host"):
+      raise ValueError(f"ZeroConfig.offload_params must be None or 'host', "
+                       f"got {self.offload_params!r}")
+    if self.offload_params and self.stage != 3:
+      raise ValueError(
+          f"ZeroConfig.offload_params needs stage=3 (got stage={self.stage}):"
+          " only stage 3 shards the parameters it would stream per layer; "
+          "at stages 1-2 use offload_optimizer='host' with a compute_dtype "
+          "to offload the fp32 master.")
+    if self.update_on not in ("device", "host"):
+      raise ValueError(f"ZeroConfig.update_on must be 'device' or 'host', "
+                       f"got {self.update_on!r}")
+    if self.update_on == "host" and not (self.offload_optimizer
+                                         or self.offload_params):
+      raise ValueError("ZeroConfig.update_on='host' runs the update where "
+                       "offloaded state lives: set offload_optimizer='host' "
+                       "or offload_params='host' too")
     if self.min_shard_elements < 0:
       raise ValueError(
           f"ZeroConfig.min_shard_elements must be >= 0, got "

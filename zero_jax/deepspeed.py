@@ -31,6 +31,7 @@ DeepSpeed's except where noted; a JSON ``null`` counts as absent)::
     .stage                                stage
     .stage3_param_persistence_threshold   min_shard_elements (+ 1)
     .offload_optimizer.device             offload_optimizer
+    .offload_param.device                 offload_params
       ("cpu": "host", "none": None)
 
 Notes on the mapping:
@@ -52,8 +53,8 @@ Notes on the mapping:
   ``pin_memory``, ``buffer_count``, ``fast_init``, ``pipeline_read``,
   ``pipeline_write`` and ``nvme_path`` are accepted and have no effect (JAX
   pins host memory itself); ``ratio`` below 1 warns, as all of the state is
-  offloaded. ``offload_param`` may only be ``"none"``: parameter offload is
-  not implemented yet.
+  offloaded. ``offload_param.device``: ``"cpu"`` gives
+  ``offload_params="host"`` (stage 3 only), ``"nvme"`` is an error.
 * The performance knobs in ``_NO_EFFECT_KEYS`` (bucket sizes, overlap,
   prefetching, printing...) are accepted with one warning listing them: XLA
   schedules zero_jax's communication, so they change nothing.
@@ -165,9 +166,7 @@ _NO_EFFECT_KEYS: Mapping[str, tuple[Callable[[str, Any], Any], Any]] = {
 
 _NOT_IMPLEMENTED = "a DeepSpeed feature that zero_jax does not implement"
 _NO_PARAM_OFFLOAD = (
-    "parameter offload is not implemented in zero_jax yet; use "
-    "offload_optimizer (optimizer state on the host), stage 3 over more "
-    "devices, or a smaller micro-batch with remat")
+    "deprecated in DeepSpeed: write offload_param: {\"device\": \"cpu\"}")
 _ZERO_PP = ("ZeRO++ (quantized or hierarchical communication) is not "
             "implemented in zero_jax")
 _MONITOR = ("zero_jax does not log: log the metrics returned by Engine.step "
@@ -237,7 +236,6 @@ _UNSUPPORTED_WHY: Mapping[str, str] = {
     "zero_optimization.cpu_offload_param": _NO_PARAM_OFFLOAD,
     "zero_optimization.cpu_offload_use_pin_memory": (
         "deprecated in DeepSpeed: write offload_optimizer.pin_memory"),
-    "zero_optimization.offload_param.device": _NO_PARAM_OFFLOAD,
     "zero_optimization.stage3_model_persistence_threshold": (
         "zero_jax has no cap on the total size of replicated parameters: "
         "stage3_param_persistence_threshold (min_shard_elements) alone "
@@ -563,8 +561,16 @@ class _Translator:
     device = self.get(section, "device", p)
     device = "none" if device is None else _str(
         p + "device", device).strip().lower()
-    if device != "none":
-      self.unsupported(p + "device")
+    if device == "nvme":
+      raise ValueError(
+          f"DeepSpeed config key '{p}device' is \"nvme\": disk (NVMe) "
+          "offload does not exist in zero_jax; use \"cpu\" to keep the "
+          "parameters in host memory")
+    if device not in ("none", "cpu"):
+      raise ValueError(f"DeepSpeed config key '{p}device' must be \"cpu\" "
+                       f"or \"none\", got {device!r}")
+    if device == "cpu":
+      self.kwargs["offload_params"] = "host"
     self.rest(section, p, {"device", "nvme_path", "pin_memory", "buffer_count",
                            "buffer_size", "max_in_cpu"})
 

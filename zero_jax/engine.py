@@ -33,9 +33,12 @@ class TrainState:
     opt_state: optimizer state, every leaf laid out by its shape (sharded at
       stages 1-3, replicated at stage 0).
     rng: base PRNG key (replicated); step keys are derived from it.
-    compute_params: stages 1-2 with a ``compute_dtype`` only (else None): the
-      replicated compute-dtype copy of ``params`` that forward uses,
-      refreshed by an all-gather after every update.
+    compute_params: the compute-dtype copy of ``params`` that forward
+      reads, where it is a separate copy (else None): at stages 1-2 with a
+      ``compute_dtype``, replicated and refreshed by an all-gather after
+      every update; at stage 3 with a ``compute_dtype`` and
+      ``offload_optimizer``, sharded like ``params`` (which are then in host
+      memory) and refreshed by a cast.
     loss_scale: float16 compute only (else None): the ``LossScaleState``.
   """
 
@@ -45,6 +48,18 @@ class TrainState:
   rng: jax.Array
   compute_params: Any = None
   loss_scale: _ls.LossScaleState | None = None
+
+
+def _on_host(shardings: Any) -> Any:
+  """The same shardings in pinned host memory."""
+  return jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"),
+                      shardings)
+
+
+def _on_host_compute(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` jitted to run on the host, inside the step."""
+  from jax.experimental.compute_on import compute_on  # pylint: disable=g-import-not-at-top
+  return compute_on("device_host")(jax.jit(fn))
 
 
 class _StepFunction:
@@ -161,6 +176,15 @@ class Engine:
     # Stages 1-2 with low-precision compute keep a replicated compute copy
     # next to the sharded fp32 master (the paper's layout).
     self._keep_compute = config.stage in (1, 2) and self._cd is not None
+    # Offload: the fp32 master goes to host memory wherever forward does not
+    # read it (it reads the compute copy), or at stage 3 with offload_params
+    # (forward copies each layer's shards to the device as it gathers them).
+    offload_opt = config.offload_optimizer == "host"
+    self._shard_compute = (config.stage == 3 and self._cd is not None
+                           and offload_opt and not config.offload_params)
+    self._master_on_host = bool(
+        config.offload_params or
+        (offload_opt and (self._keep_compute or self._shard_compute)))
     self.lr_schedule = lr_schedule
     (self.train_batch_size, self.micro_batch_size,
      self.grad_accum_steps) = config.batch_sizes(self.num_devices)
@@ -204,17 +228,24 @@ class Engine:
       param_shardings = replicated_tree
     else:
       param_shardings = self.param_plan.shardings
+    # Where each part of the state lives in device memory (for the update).
+    self._device_params = param_shardings
+    self._device_opt = self.opt_plan.shardings
     replicated = self._sharding(P())
     opt_shardings = self.opt_plan.shardings
     if cfg.offload_optimizer == "host":
       # Between steps the optimizer state lives in host memory; the step
       # streams it to the device and back (see _train_step).
-      opt_shardings = jax.tree.map(
-          lambda sh: sh.with_memory_kind("pinned_host"), opt_shardings)
+      opt_shardings = _on_host(opt_shardings)
+    if self._master_on_host:
+      param_shardings = _on_host(param_shardings)
+    compute_shardings = (replicated_tree if self._keep_compute else
+                         self.param_plan.shardings if self._shard_compute
+                         else None)
     self.state_shardings = TrainState(
         step=replicated, params=param_shardings,
         opt_state=opt_shardings, rng=replicated,
-        compute_params=replicated_tree if self._keep_compute else None,
+        compute_params=compute_shardings,
         loss_scale=(jax.tree.map(lambda _: replicated, _ls.init(cfg))
                     if self._scaled else None))
     self._batch_sharding = self._sharding(self._batch_spec)
@@ -240,7 +271,7 @@ class Engine:
     def make(p):
       master = jax.tree.map(lambda x: x.astype(jnp.float32), p)
       compute = (jax.tree.map(lambda x: x.astype(self._cd), master)
-                 if self._keep_compute else None)
+                 if self._keep_compute or self._shard_compute else None)
       return TrainState(step=jnp.zeros((), jnp.int32), params=master,
                         opt_state=self.tx.init(master),
                         rng=jax.random.PRNGKey(self.config.seed),
@@ -248,10 +279,20 @@ class Engine:
                         loss_scale=(_ls.init(self.config) if self._scaled
                                     else None))
 
+    if self._master_on_host:
+      # Built on the host, so that no device ever holds the fp32 master
+      # (the largest models fit only because of that).
+      placed = jax.device_put(params, sh.params, may_alias=False)
+
+      def make_offloaded(p):
+        state = _on_host_compute(make)(p)
+        return jax.device_put(state, sh)
+
+      return jax.jit(make_offloaded, out_shardings=sh)(placed)
     # Straight into the final layout (no device ever holds a full copy of a
     # sharded leaf), and always a copy (may_alias=False): later steps donate
     # the state, and that must never invalidate the caller's arrays.
-    placed = jax.device_put(params, sh.params, may_alias=False)
+    placed = jax.device_put(params, self._device_params, may_alias=False)
     return jax.jit(make, out_shardings=sh)(placed)
 
   def gather_params(self, state: TrainState) -> Any:
@@ -263,6 +304,7 @@ class Engine:
     treedef = self._treedef
 
     def gather(p):
+      p = jax.device_put(p, self._device_params)  # (if offloaded)
       leaves = [x.astype(dt) for x, dt in zip(jax.tree.leaves(p), dtypes)]
       return treedef.unflatten(leaves)
 
@@ -322,6 +364,16 @@ class Engine:
     if cfg.offload_optimizer == "host":
       lines.append("optimizer state offloaded to pinned host memory between "
                    "steps")
+    if self._master_on_host:
+      lines.append("fp32 master parameters offloaded to pinned host memory" +
+                   (", copied to the device layer by layer in forward and "
+                    "backward" if cfg.offload_params else
+                    "; forward reads a device copy in " + str(self._cd)))
+    if self._shard_compute:
+      lines.append(f"stage 3: a sharded {self._cd} copy on the device for "
+                   "forward, refreshed after each update")
+    if cfg.update_on == "host":
+      lines.append("the optimizer update runs on the host")
     if self._scaled:
       lines.append("float16 loss scaling: " + (
           f"static {cfg.loss_scale}" if cfg.loss_scale else
@@ -388,8 +440,19 @@ class Engine:
     unflatten = lambda full: jax.tree.unflatten(jax.tree.structure(params),
                                                 full)
 
+    # Stage 3 gathers from something other than the fp32 master shards when
+    # the master is offloaded: the sharded compute copy, or (offload_params)
+    # the master in host memory, copied to the device layer by layer.
+    gather_from = stage == 3 and (self._shard_compute or
+                                  bool(cfg.offload_params))
+    to_device = bool(cfg.offload_params)
+    on_device = ((lambda x: jax.device_put(x, jax.memory.Space.Device))
+                 if self._master_on_host else (lambda x: x))
+
     def local(params, compute_params, batch, rng, scale):
       source = compute_params if self._keep_compute else params
+      if stage == 3 and self._shard_compute:
+        source = compute_params
 
       def loss_of(full, batch, key):
         args = (full, batch, key) if self.with_rng else (full, batch)
@@ -408,14 +471,14 @@ class Engine:
       if stage in (0, 1):
         # Stages 0-1: local full gradients, reduced at the end.
         wrt = jax.tree.map(varying, source)
-      elif stage == 2:
+      elif stage == 2 or gather_from:
         # Zero-valued stand-ins of each shard: each leaf's gradient is
         # reduce-scattered as backward produces it.
         wrt = jax.tree.map(
             lambda lp, p: (jax.lax.pcast(jnp.zeros(lp.local_shape(self.n),
                                                    jnp.float32),
                                          DATA, to="varying")
-                           if lp.sharded else varying(p)),
+                           if lp.sharded else varying(on_device(p))),
             plans, params, is_leaf=is_plan)
       else:
         # Stage 3: the shards themselves; gather at use, and the gather's
@@ -439,6 +502,10 @@ class Engine:
               f = collectives.use_with_scattered_grad(lp, w, varying(src), rd)
               recorded[id(f)] = layers._Recorded("scatter", lp, w,
                                                  varying(src), cd, rd)
+            elif gather_from:
+              f = collectives.gather_from(lp, w, src, cd, rd, to_device)
+              recorded[id(f)] = layers._Recorded("gather_from", lp, w, src,
+                                                 cd, rd, to_device)
             else:
               f = collectives.gather_leaf(lp, w, cd, rd)
               recorded[id(f)] = layers._Recorded("gather", lp, w, None, cd,
@@ -489,7 +556,8 @@ class Engine:
     replicated = self.param_plan.replicated_specs
     sharded_master = stage == 3 or self._keep_compute
     in_params = self.param_plan.specs if sharded_master else replicated
-    in_compute = replicated if self._keep_compute else None
+    in_compute = (replicated if self._keep_compute else
+                  self.param_plan.specs if self._shard_compute else None)
     grad_specs = replicated if stage == 0 else self.param_plan.specs
     fn = jax.shard_map(local, mesh=self.mesh,
                        in_specs=(in_params, in_compute, self._batch_spec, P(),
@@ -537,47 +605,70 @@ class Engine:
       grads = jax.tree.map(
           lambda g: jnp.where(norm < c, g, g / norm.astype(g.dtype) * c),
           grads)
-    master = state.params
-    if stage in (1, 2) and not self._keep_compute:
-      # Slicing a replicated array to its shard is local: no communication.
-      master = jax.lax.with_sharding_constraint(master,
-                                                self.param_plan.shardings)
-    opt_state = state.opt_state
-    if cfg.offload_optimizer == "host":
-      opt_state = jax.device_put(opt_state, jax.tree.map(
-          lambda sh: sh.with_memory_kind("device"),
-          self.state_shardings.opt_state))
+    # The update runs on sharded arrays (stage 0: replicated), on the device,
+    # or with update_on="host" on the host. Offloaded state is streamed to
+    # where the update runs; out_shardings put it back.
+    on_host = cfg.update_on == "host"
+    where = _on_host if on_host else (lambda sh: sh)
+    shards = (self._device_params if stage == 0 else
+              self.param_plan.shardings)
+    # (Stages 1-2 with fp32 compute: slicing the replicated master to its
+    # shard is local, no communication.)
+    master = jax.device_put(state.params, where(shards))
+    opt_state = jax.device_put(state.opt_state, where(self._device_opt))
 
-    def apply(master, opt_state):
-      updates, opt_state = self.tx.update(grads, opt_state, master)
-      return optax.apply_updates(master, updates), opt_state
+    def update(master, opt_state, grads, finite):
+      def apply(master, opt_state):
+        updates, opt_state = self.tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), opt_state
+
+      if finite is None:
+        return apply(master, opt_state)
+      if on_host:
+        # (Under compute_on, cond's branches disagree on memory kinds.)
+        new = apply(master, opt_state)
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
+                            (master, opt_state))
+      return jax.lax.cond(finite, apply, lambda m, o: (m, o), master,
+                          opt_state)
 
     metrics = {"loss": loss, "grad_norm": norm}
     loss_scale = state.loss_scale
     applied = state.step
+    finite = None
     if self._scaled:
       # One flag for the whole model: an overflow in any shard on any device
       # skips the update everywhere (jnp.all over global arrays reduces
       # across devices).
       finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
                                   for g in jax.tree.leaves(grads)]))
-      master, opt_state = jax.lax.cond(finite, apply, lambda m, o: (m, o),
-                                       master, opt_state)
       applied = state.step - loss_scale.skipped
       loss_scale, at_min = _ls.update(loss_scale, finite, cfg)
       metrics.update(loss_scale=scale, skipped=jnp.logical_not(finite),
                      skipped_steps=loss_scale.skipped,
                      overflow_at_min_scale=at_min)
+    if on_host:
+      grads = jax.device_put(grads, _on_host(shards))
+      if finite is not None:
+        finite = jax.device_put(finite, _on_host(self._sharding(P())))
+      master, opt_state = _on_host_compute(update)(master, opt_state, grads,
+                                                   finite)
     else:
-      master, opt_state = apply(master, opt_state)
+      master, opt_state = update(master, opt_state, grads, finite)
     if self.lr_schedule is not None:
       # The rate of this update: optax's count is the updates applied before.
       metrics["learning_rate"] = self.lr_schedule(applied)
     compute_params = None
-    if self._keep_compute:
-      compute_params = self._gather_replicated(master, self._cd)
-    elif stage in (1, 2):
-      master = self._gather_replicated(master)
+    if stage in (1, 2) or self._shard_compute:
+      # The compute copy is refreshed from the new master, on the device.
+      device_master = jax.device_put(master, shards) if on_host else master
+      if self._keep_compute:
+        compute_params = self._gather_replicated(device_master, self._cd)
+      elif self._shard_compute:
+        compute_params = jax.tree.map(lambda x: x.astype(self._cd),
+                                      device_master)
+      else:
+        master = self._gather_replicated(device_master)
     new_state = TrainState(step=state.step + 1, params=master,
                            opt_state=opt_state, rng=state.rng,
                            compute_params=compute_params,

@@ -99,7 +99,9 @@ class _Recorded:
 
   kind "gather": full = all_gather(shard) in ``compute_dtype``. kind
   "scatter": full is the replicated copy ``source``, whose gradient goes to
-  ``shard`` via a reduce-scatter. Gradients are summed in ``reduce_dtype``.
+  ``shard`` via a reduce-scatter. kind "gather_from": full =
+  all_gather(source) (copied to the device first if ``to_device``), whose
+  gradient goes to ``shard``. Gradients are summed in ``reduce_dtype``.
   """
 
   kind: str
@@ -108,6 +110,7 @@ class _Recorded:
   source: jax.Array | None = None
   compute_dtype: Any = None
   reduce_dtype: Any = None
+  to_device: bool = False
 
 
 class _Context(threading.local):
@@ -203,6 +206,11 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
       if rec.kind == "gather":
         layer.append(collectives.gather_leaf(lp, s, rec.compute_dtype,
                                              rec.reduce_dtype))
+      elif rec.kind == "gather_from":
+        shard, source = s
+        layer.append(collectives.gather_from(lp, shard, source,
+                                             rec.compute_dtype,
+                                             rec.reduce_dtype, rec.to_device))
       else:
         shard, source = s
         layer.append(collectives.use_with_scattered_grad(
