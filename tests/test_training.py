@@ -131,8 +131,8 @@ def _reference_norms(loss_fn, tx, params, batches):
   return norms, params
 
 
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("replica", [1, 2])
+@pytest.mark.parametrize("stage,replica", [(s, 1) for s in STAGES] +
+                         [(1, 2), (3, 2)])
 def test_grad_norm_and_clipping_are_exact(stage, replica):
   # The awkward model keeps replicated leaves (indivisible shapes, a
   # scalar) next to sharded ones: both must count once in the norm.

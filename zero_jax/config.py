@@ -83,7 +83,9 @@ class ZeroConfig:
       ``"device"`` (the default) streams the offloaded state to the device,
       updates it there and streams it back; ``"host"`` runs the update on
       the host (``jax.experimental.compute_on``), so the optimizer state
-      never occupies device memory.
+      never occupies device memory. Call ``engine.step`` itself then:
+      ahead-of-time compilation (``engine.step.lower(...).compile()``)
+      ignores ``compute_on`` on accelerators (JAX issue 27825).
   """
 
   stage: int = 3

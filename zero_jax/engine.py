@@ -56,6 +56,12 @@ def _on_host(shardings: Any) -> Any:
                       shardings)
 
 
+def _on_device(shardings: Any) -> Any:
+  """The same shardings in device memory (named, so that a transfer from
+  the host is explicit)."""
+  return jax.tree.map(lambda sh: sh.with_memory_kind("device"), shardings)
+
+
 def _on_host_compute(fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn`` jitted to run on the host, inside the step."""
   from jax.experimental.compute_on import compute_on  # pylint: disable=g-import-not-at-top
@@ -304,7 +310,7 @@ class Engine:
     treedef = self._treedef
 
     def gather(p):
-      p = jax.device_put(p, self._device_params)  # (if offloaded)
+      p = jax.device_put(p, _on_device(self._device_params))  # if offloaded
       leaves = [x.astype(dt) for x, dt in zip(jax.tree.leaves(p), dtypes)]
       return treedef.unflatten(leaves)
 
@@ -609,7 +615,7 @@ class Engine:
     # or with update_on="host" on the host. Offloaded state is streamed to
     # where the update runs; out_shardings put it back.
     on_host = cfg.update_on == "host"
-    where = _on_host if on_host else (lambda sh: sh)
+    where = _on_host if on_host else _on_device
     shards = (self._device_params if stage == 0 else
               self.param_plan.shardings)
     # (Stages 1-2 with fp32 compute: slicing the replicated master to its
@@ -661,7 +667,8 @@ class Engine:
     compute_params = None
     if stage in (1, 2) or self._shard_compute:
       # The compute copy is refreshed from the new master, on the device.
-      device_master = jax.device_put(master, shards) if on_host else master
+      device_master = (jax.device_put(master, _on_device(shards)) if on_host
+                       else master)
       if self._keep_compute:
         compute_params = self._gather_replicated(device_master, self._cd)
       elif self._shard_compute:

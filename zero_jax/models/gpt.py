@@ -56,6 +56,9 @@ class GPTConfig:
     d_ff: hidden width of the MLP; None means ``4 * d_model``.
     dropout: dropout rate on the embeddings and on each residual branch; it is
       applied only when a PRNG key is passed to the model.
+    attention: ``"einsum"`` (explicit scores and float32 softmax, the
+      reference) or ``"fused"`` (``jax.nn.dot_product_attention``: cuDNN's
+      flash attention on GPUs, for speed).
   """
 
   vocab_size: int = 256
@@ -65,8 +68,12 @@ class GPTConfig:
   n_heads: int = 4
   d_ff: int | None = None
   dropout: float = 0.0
+  attention: str = "einsum"
 
   def __post_init__(self):
+    if self.attention not in ("einsum", "fused"):
+      raise ValueError(f"GPTConfig.attention must be 'einsum' or 'fused', "
+                       f"got {self.attention!r}")
     for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
       if getattr(self, name) < 1:
         raise ValueError(f"GPTConfig.{name} must be >= 1, got "
@@ -110,8 +117,12 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
 
 def causal_self_attention(x: jax.Array, qkv_w: jax.Array,
                           out_w: jax.Array, out_b: jax.Array,
-                          n_heads: int) -> jax.Array:
-  """Multi-head causal self-attention of ``x`` (B, T, d) -> (B, T, d)."""
+                          n_heads: int, fused: bool = False) -> jax.Array:
+  """Multi-head causal self-attention of ``x`` (B, T, d) -> (B, T, d).
+
+  ``fused`` uses ``jax.nn.dot_product_attention`` (flash attention where the
+  backend has one) instead of explicit scores.
+  """
   b, t, d = x.shape
   hd = d // n_heads
   # No QKV bias: a key bias adds the same q.b to every score of a row, which
@@ -119,6 +130,10 @@ def causal_self_attention(x: jax.Array, qkv_w: jax.Array,
   # would amplify pure rounding noise into it.
   qkv = x @ qkv_w                                             # (B, T, 3d)
   q, k, v = jnp.split(qkv, 3, axis=-1)
+  if fused:
+    q, k, v = (a.reshape(b, t, n_heads, hd) for a in (q, k, v))
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return y.reshape(b, t, d) @ out_w + out_b
   # (B, T, d) -> (B, H, T, hd)
   q, k, v = (a.reshape(b, t, n_heads, hd).transpose(0, 2, 1, 3)
              for a in (q, k, v))
@@ -133,8 +148,8 @@ def causal_self_attention(x: jax.Array, qkv_w: jax.Array,
 
 
 def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
-          dropout_rate: float = 0.0,
-          rng: jax.Array | None = None) -> jax.Array:
+          dropout_rate: float = 0.0, rng: jax.Array | None = None,
+          fused_attention: bool = False) -> jax.Array:
   """One pre-LN transformer block: ``h + attn(ln(h))``, then ``+ mlp(ln(.))``.
 
   A pure function of the hidden state and *one* layer's parameters (a dict
@@ -147,6 +162,7 @@ def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
     n_heads: attention heads.
     dropout_rate: residual dropout rate.
     rng: PRNG key for dropout, or None for no dropout.
+    fused_attention: see ``causal_self_attention``.
 
   Returns:
     The new hidden state (B, T, d).
@@ -157,7 +173,8 @@ def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
   # Tags for the named remat policies (ZeroConfig(remat="save_only_named",
   # remat_names=("attn_output", "mlp_hidden"))).
   x = checkpoint_name(causal_self_attention(x, p["attn_qkv"], p["attn_out"],
-                                            p["attn_out_bias"], n_heads),
+                                            p["attn_out_bias"], n_heads,
+                                            fused_attention),
                       "attn_output")
   h = h + dropout(x, dropout_rate, k_attn)
   x = layer_norm(h, p["ln2_scale"], p["ln2_bias"])
@@ -259,7 +276,8 @@ class GPT(nnx.Module):
       # Fold in the layer index so each layer drops different units.
       key = None if rng is None else jax.random.fold_in(rng, i)
       h = block(h, layer_params, n_heads=cfg.n_heads,
-                dropout_rate=cfg.dropout, rng=key)
+                dropout_rate=cfg.dropout, rng=key,
+                fused_attention=cfg.attention == "fused")
       return h, None
 
     xs = (self.blocks.stacked(), jnp.arange(cfg.n_layers))

@@ -1,0 +1,349 @@
+"""Every GPU measurement of zero_jax, in one call.
+
+On one accelerator, for the reference GPT (fused attention, bf16 compute,
+fp32 master weights and AdamW state, full remat, ZeRO stage 3):
+
+- speed: step time, tokens/s, MFU (6·Ψ + attention FLOPs per token over the
+  device's bf16 peak) and device memory, for zero_jax with the optimizer on
+  the device, with ``offload_optimizer="host"`` (update streamed to the
+  device, and update on the host), and for the same model trained by plain
+  ``jax.jit`` + optax without zero_jax (the baseline);
+- capacity: the largest model of the size ladder that trains, with and
+  without optimizer offload.
+
+Each run is a subprocess (an out-of-memory run fails alone, and the device's
+peak memory counter starts from zero). Results are written after every run
+to ``gpu_bench.json`` and ``gpu_bench.md`` in ``--out-dir``::
+
+  PYTHONPATH=. python experiments/gpu_bench.py                  # everything
+  PYTHONPATH=. python experiments/gpu_bench.py --plan speed     # or capacity
+  python experiments/gpu_bench.py --tiny --out-dir /tmp/bench   # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+# name: (d_model, n_layers, n_heads); vocabulary 50304, sequence 1024.
+SIZES = {
+    "125m": (768, 12, 12),
+    "350m": (1024, 24, 16),
+    "760m": (1536, 24, 16),
+    "1.3b": (2048, 24, 16),
+    "2.7b": (2560, 32, 32),
+    "6.7b": (4096, 32, 32),
+    "13b": (5120, 40, 40),
+    "20b": (6144, 44, 48),
+    "30b": (7168, 48, 56),
+}
+TINY_SIZES = {"tiny": (64, 2, 4), "tiny2": (128, 2, 4)}
+MODES = {
+    # name: ZeroConfig overrides (None: plain jax.jit + optax)
+    "baseline (jax.jit + optax)": None,
+    "zero_jax stage 3": {},
+    "zero_jax stage 3 + offload": {"offload_optimizer": "host"},
+    "zero_jax stage 3 + offload, update on host": {
+        "offload_optimizer": "host", "update_on": "host"},
+}
+
+
+@dataclasses.dataclass
+class Run:
+  """One measurement: a model size trained in one mode."""
+
+  size: str
+  mode: str
+  batch: int
+  seq_len: int
+  steps: int
+  tiny: bool = False
+
+
+# ------------------------------------------------------------------ worker
+
+
+def _params_host(abstract, seed: int = 0):
+  """Host (numpy) parameters of the given shapes, cheaply: a block of
+  normal samples tiled over each leaf (timing does not depend on values)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  block = (0.02 * rng.standard_normal(1 << 22)).astype(np.float32)
+
+  def make(x):
+    if len(x.shape) == 1:  # LayerNorm scales and biases
+      return np.ones(x.shape, np.float32) if x.shape else np.float32(1)
+    return np.resize(block, x.shape)
+
+  return jax.tree.map(make, abstract)
+
+
+def run_one(run: Run) -> dict:
+  """Trains ``run.steps`` steps; returns the measurements."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  from zero_jax import metrics as zm  # pylint: disable=g-import-not-at-top
+  from zero_jax.memory import compiled_memory, param_count  # pylint: disable=g-import-not-at-top
+  from zero_jax.models import GPT, GPTConfig, make_loss_fn  # pylint: disable=g-import-not-at-top
+
+  d, layers, heads = (TINY_SIZES if run.tiny else SIZES)[run.size]
+  cfg = GPTConfig(vocab_size=256 if run.tiny else 50304, seq_len=run.seq_len,
+                  d_model=d, n_layers=layers, n_heads=heads,
+                  attention="fused")
+  graphdef, abstract = nnx.split(
+      nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  psi = param_count(abstract)
+  params = _params_host(abstract)
+  loss_fn = make_loss_fn(graphdef)
+  tx = optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+  device = jax.devices()[0]
+  rng = np.random.default_rng(0)
+  batch = {"tokens": rng.integers(0, cfg.vocab_size,
+                                  (run.batch, run.seq_len + 1), np.int32)}
+  overrides = MODES[run.mode]
+
+  t0 = time.perf_counter()
+  if overrides is None:
+    # The baseline: the same mixed precision, by hand, in one jit.
+    bf16 = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)
+
+    @jax.jit
+    def init(p):
+      return p, tx.init(p)
+
+    def train_step(state, batch):
+      p, o = state
+      loss, g = jax.value_and_grad(lambda p: loss_fn(bf16(p), batch))(p)
+      u, o = tx.update(g, o, p)
+      return (optax.apply_updates(p, u), o), loss
+
+    train_step = jax.jit(train_step, donate_argnums=0)
+    state = init(jax.device_put(params, device))
+    batch = jax.device_put(batch, device)
+    compiled = train_step.lower(state, batch).compile()
+  else:
+    engine = zj.Engine(loss_fn, tx,
+                       zj.ZeroConfig(stage=3, compute_dtype="bfloat16",
+                                     remat="full", **overrides),
+                       zj.make_mesh(num_devices=1))
+    state = engine.init(params)
+    batch = engine.shard_batch(batch)
+    compiled = engine.step.lower(state, batch).compile()
+  # Ahead-of-time compilation ignores compute_on("device_host") (JAX issue
+  # 27825): a step that updates on the host runs through the jit dispatch.
+  runner = (engine.step if overrides and overrides.get("update_on") == "host"
+            else compiled)
+  del params
+  mem = compiled_memory(compiled)
+  t_compile = time.perf_counter() - t0
+
+  times, losses = [], []
+  for _ in range(run.steps):
+    t = time.perf_counter()
+    if overrides is None:
+      state, loss = runner(state, batch)
+    else:
+      state, metrics = runner(state, batch)
+      loss = metrics["loss"]
+    losses.append(float(jax.block_until_ready(loss)))
+    times.append(time.perf_counter() - t)
+  # The first step warms up (allocations, autotuning): not timed.
+  step_time = float(np.median(times[1:] if len(times) > 1 else times))
+  tokens = run.batch * run.seq_len
+  fpt = zm.transformer_flops_per_token(psi, layers, run.seq_len, d)
+  stats = device.memory_stats() or {}
+  peak = zm.peak_flops(device)
+  return {
+      **dataclasses.asdict(run), "status": "ok", "params": psi,
+      "device": device.device_kind, "platform": device.platform,
+      "jax": jax.__version__, "compile_s": t_compile,
+      "step_s": step_time, "tokens_per_s": tokens / step_time,
+      "mfu": zm.mfu(fpt, tokens / step_time, peak),
+      "peak_flops": peak, "losses": losses,
+      "compiled_device_bytes": mem.peak,
+      "compiled_host_bytes": (compiled.memory_analysis()
+                              .host_argument_size_in_bytes),
+      "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+      "bytes_limit": stats.get("bytes_limit"),
+  }
+
+
+def _worker_main(spec: str) -> None:
+  run = Run(**json.loads(spec))
+  print("RESULT " + json.dumps(run_one(run)), flush=True)
+
+
+# ------------------------------------------------------------------ parent
+
+
+def _in_subprocess(run: Run, timeout: float) -> dict:
+  cmd = [sys.executable, os.path.abspath(__file__), "--worker",
+         json.dumps(dataclasses.asdict(run))]
+  t0 = time.perf_counter()
+  try:
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {**dataclasses.asdict(run), "status": "timeout",
+            "wall_s": time.perf_counter() - t0}
+  for line in out.stdout.splitlines():
+    if line.startswith("RESULT "):
+      return {**json.loads(line[7:]), "wall_s": time.perf_counter() - t0}
+  text = out.stdout + out.stderr
+  oom = any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory",
+                                "out of memory"))
+  return {**dataclasses.asdict(run), "status": "oom" if oom else "error",
+          "error": text[-2000:], "wall_s": time.perf_counter() - t0}
+
+
+def _fmt(x, spec, scale=1.0):
+  return "-" if x is None else format(x * scale, spec)
+
+
+def write_results(results: list[dict], out_dir: str) -> None:
+  """``gpu_bench.json`` (everything) and ``gpu_bench.md`` (tables)."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "gpu_bench.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  ok = [r for r in results if r["status"] == "ok"]
+  device = ok[0]["device"] if ok else "unknown device"
+  lines = [f"# zero_jax GPU benchmark: {device}", "",
+           "`PYTHONPATH=. python experiments/gpu_bench.py`; GPT (fused "
+           "attention, vocabulary 50304), bf16 compute, fp32 master and "
+           "AdamW state, full remat, one device. MFU = (6Ψ + 12·L·T·d) x "
+           "tokens/s / bf16 peak. Memory: the compiled step's device bytes "
+           "(arguments + outputs + temporaries - aliased) and the device's "
+           "peak in use (`memory_stats()`, including initialisation).", "",
+           "| model | Ψ | mode | batch x seq | step (s) | tokens/s | MFU | "
+           "step device GiB | peak in use GiB | status |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  gib = 1 / 2**30
+  for r in results:
+    lines.append(
+        f"| {r['size']} | {_fmt(r.get('params'), ',.0f')} | {r['mode']} | "
+        f"{r['batch']} x {r['seq_len']} | {_fmt(r.get('step_s'), '.3f')} | "
+        f"{_fmt(r.get('tokens_per_s'), ',.0f')} | "
+        f"{_fmt(r.get('mfu'), '.1%')} | "
+        f"{_fmt(r.get('compiled_device_bytes'), '.2f', gib)} | "
+        f"{_fmt(r.get('peak_bytes_in_use'), '.2f', gib)} | {r['status']} |")
+  lines.append("")
+  for size in dict.fromkeys(r["size"] for r in ok if not r.get("capacity")):
+    by = {r["mode"]: r for r in ok
+          if r["size"] == size and not r.get("capacity")}
+    zero, base = by.get("zero_jax stage 3"), by.get(
+        "baseline (jax.jit + optax)")
+    if zero and base:
+      lines.append(f"- {size}: zero_jax step time / baseline "
+                   f"{zero['step_s'] / base['step_s']:.3f}")
+    for mode in ("zero_jax stage 3 + offload",
+                 "zero_jax stage 3 + offload, update on host"):
+      if zero and mode in by:
+        lines.append(f"- {size}: {mode}: step time / no offload "
+                     f"{by[mode]['step_s'] / zero['step_s']:.3f}")
+  for mode in ("zero_jax stage 3", "zero_jax stage 3 + offload"):
+    fits = [r for r in ok if r["mode"] == mode and r.get("capacity")]
+    if fits:
+      best = max(fits, key=lambda r: r["params"])
+      lines.append(f"- largest model that trains, {mode}: {best['size']} "
+                   f"({best['params']:,.0f} parameters)")
+  with open(os.path.join(out_dir, "gpu_bench.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+def plan_runs(args) -> tuple[list[Run], list[Run]]:
+  """(speed runs, capacity ladder)."""
+  sizes = TINY_SIZES if args.tiny else SIZES
+  seq = 32 if args.tiny else 1024
+  speed = [Run(size, mode, args.batch, seq, args.steps, args.tiny)
+           for size in (args.speed_sizes or
+                        (["tiny"] if args.tiny else ["125m", "1.3b"]))
+           for mode in MODES]
+  start = list(sizes).index(args.capacity_from or
+                            ("tiny" if args.tiny else "1.3b"))
+  ladder = [Run(size, mode, args.capacity_batch, seq, 3, args.tiny)
+            for size in list(sizes)[start:]
+            for mode in ("zero_jax stage 3", "zero_jax stage 3 + offload")]
+  return speed, ladder
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--plan", default="all", choices=("all", "speed",
+                                                   "capacity"))
+  p.add_argument("--tiny", action="store_true",
+                 help="tiny models, in this process: checks the code path "
+                 "(CPU tests use it)")
+  p.add_argument("--out-dir", default=os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), "results"))
+  p.add_argument("--batch", type=int, default=16,
+                 help="sequences per step in the speed runs")
+  p.add_argument("--capacity-batch", type=int, default=4)
+  p.add_argument("--steps", type=int, default=6)
+  p.add_argument("--speed-sizes", nargs="*", default=None,
+                 choices=sorted(SIZES) + sorted(TINY_SIZES))
+  p.add_argument("--capacity-from", default=None,
+                 choices=sorted(SIZES) + sorted(TINY_SIZES))
+  p.add_argument("--timeout", type=float, default=420.0,
+                 help="seconds per run")
+  p.add_argument("--budget", type=float, default=560.0,
+                 help="seconds for everything: runs that would start later "
+                 "are skipped (results so far are kept)")
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.worker:
+    _worker_main(args.worker)
+    return
+  if args.tiny:
+    args.batch = args.capacity_batch = 2
+    args.steps = 2
+
+  speed, ladder = plan_runs(args)
+  results: list[dict] = []
+  t0 = time.perf_counter()
+
+  def do(run: Run, **extra) -> dict:
+    left = args.budget - (time.perf_counter() - t0)
+    if left < 30 and not args.tiny:
+      r = {**dataclasses.asdict(run), "status": "skipped (budget)"}
+    elif args.tiny:
+      r = run_one(run)
+    else:
+      r = _in_subprocess(run, min(args.timeout, left))
+    r.update(extra)
+    results.append(r)
+    write_results(results, args.out_dir)
+    print(f"{run.size:>6} | {run.mode:<44} | {r['status']:<8} | "
+          f"tokens/s {_fmt(r.get('tokens_per_s'), ',.0f'):>10} | "
+          f"MFU {_fmt(r.get('mfu'), '.1%'):>6} | step device GiB "
+          f"{_fmt(r.get('compiled_device_bytes'), '.2f', 1 / 2**30)}",
+          flush=True)
+    return r
+
+  if args.plan in ("all", "speed"):
+    for run in speed:
+      do(run)
+  if args.plan in ("all", "capacity"):
+    # Up the ladder until a size fails, separately per mode.
+    failed = set()
+    for run in ladder:
+      if run.mode in failed:
+        continue
+      if do(run, capacity=True)["status"] != "ok":
+        failed.add(run.mode)
+  print(f"wrote {args.out_dir}/gpu_bench.json and gpu_bench.md "
+        f"({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+  main()
