@@ -14,8 +14,8 @@ import zero_jax as zj
 from tests import _models as m
 from zero_jax import hlo
 from zero_jax.estimate import main, parse_count
-from zero_jax.memory import (Estimate, comm_in_psi, comm_volume,
-                             compiled_memory, estimate_activations,
+from zero_jax.memory import (Estimate, bytes_by_memory_kind, comm_in_psi,
+                             comm_volume, compiled_memory, estimate_activations,
                              estimate_comm, estimate_memory,
                              paper_estimate, paper_model_state_bytes,
                              param_count, per_device_bytes,
@@ -265,6 +265,32 @@ def test_bf16_with_replica_groups_agrees_with_the_compiled_step(gpt):
                                            abs=2 / psi), kind
 
 
+@pytest.mark.parametrize("stage,compute_dtype,offload", [
+    (0, None, "optimizer"), (1, "bfloat16", "optimizer"),
+    (2, None, "optimizer"), (3, "bfloat16", "optimizer"),
+    (3, None, "params"), (3, "bfloat16", "both")])
+def test_offload_estimate_matches_where_the_state_lives(stage, compute_dtype,
+                                                        offload):
+  # No compile needed: the state's leaves carry their memory kinds.
+  loss_fn, params, _ = m.gpt_setup(d_model=64, n_layers=2, steps=1)
+  config = zj.ZeroConfig(
+      stage=stage, compute_dtype=compute_dtype,
+      offload_optimizer="host" if offload != "params" else None,
+      offload_params="host" if offload != "optimizer" else None)
+  engine = zj.Engine(loss_fn, optax.adamw(1e-3), config,
+                     zj.make_mesh(num_devices=N))
+  state = engine.init(params)
+  measured = bytes_by_memory_kind(state)
+  est = estimate_memory(param_count(params), N, stage,
+                        compute_dtype=compute_dtype,
+                        replicated=engine.param_plan.replicated_elements,
+                        offload_optimizer=offload != "params",
+                        offload_params=offload != "optimizer")
+  # Up to scalars (Adam's count, the step, the rng key).
+  assert 0 <= measured["pinned_host"] - est.host <= 16
+  assert 0 <= measured["device"] - est.persistent <= 32
+
+
 # -------------------------------------------------------------------- CLI
 
 
@@ -330,3 +356,17 @@ def test_cli_as_a_module():
   assert "stage 3:" in out and "stage 2:" not in out
   # 16Ψ/N = 1.875e9 bytes = 1.746 GiB per device; 3Ψ of communication.
   assert "1.746" in out and "volume 3Ψ" in out
+
+
+def test_cli_offload_rows(capsys):
+  assert main(["--params", "13e9", "--devices", "1", "--stage", "3",
+               "--compute-dtype", "bf16", "--offload-optimizer"]) == 0
+  out = capsys.readouterr().out
+  # 12 bytes/param (fp32 master + Adam) on the host, 2 (bf16 copy) + 4
+  # (fp32 gradients) on the device.
+  host = [l for l in out.splitlines() if "host (offloaded)" in l]
+  assert host and float(host[0].split()[2]) == pytest.approx(
+      12 * 13e9 / 2**30, rel=1e-3)
+  model_states = [l for l in out.splitlines() if "model states" in l][0]
+  assert float(model_states.split()[2]) == pytest.approx(6 * 13e9 / 2**30,
+                                                         rel=1e-3)

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--replica", type=_positive_int, default=1,
                  help="replica groups R: state is sharded over devices / R "
                  "and replicated over R (default 1)")
+  p.add_argument("--offload-optimizer", action="store_true",
+                 help="optimizer state (and the fp32 master where forward "
+                 "reads a compute copy) in host memory")
+  p.add_argument("--offload-params", action="store_true",
+                 help="stage 3: the fp32 master shards in host memory")
   act = p.add_argument_group(
       "activations (optional; all of --layers --hidden --seq-len "
       "--micro-batch --heads)")
@@ -155,7 +160,10 @@ def _stage_report(args: argparse.Namespace, stage: int,
   est = memory.estimate_memory(args.params, args.devices, stage,
                                optimizer=args.optimizer, k=args.k,
                                compute_dtype=compute, replica=args.replica,
-                               activations=activations)
+                               activations=activations,
+                               offload_optimizer=args.offload_optimizer,
+                               offload_params=(args.offload_params
+                                               and stage == 3))
   n = args.devices // args.replica
   # The paper: 16-bit params/grads and an fp32 master counted in K with
   # mixed precision; fp32 params/grads and the optimizer's own K without.
@@ -171,6 +179,8 @@ def _stage_report(args: argparse.Namespace, stage: int,
           ("model states", size(est.model_states), size(paper.model_states)),
           ("activations", act, "-"),
           ("total", size(est.total), size(paper.model_states))]
+  if est.host:
+    rows.append(("host (offloaded)", size(est.host), "-"))
   lines = [f"stage {stage}: {_STAGE_NAMES[stage]}",
            f"  {unit[0] + ' per device':<18}{'zero_jax':>12}{'paper':>12}"]
   lines += [f"  {name:<18}{ours:>12}{theirs:>12}"

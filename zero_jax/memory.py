@@ -108,6 +108,17 @@ def per_device_bytes(tree: Any) -> int:
   return total
 
 
+def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
+  """``per_device_bytes`` split by where each leaf lives: ``{"device": ...,
+  "pinned_host": ...}`` (a kind absent from the tree is absent here)."""
+  out: dict[str, int] = {}
+  for x in jax.tree.leaves(tree):
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    kind = "device" if kind in (None, "device") else kind
+    out[kind] = out.get(kind, 0) + per_device_bytes(x)
+  return out
+
+
 def param_count(tree: Any) -> int:
   """Number of elements Ψ in a pytree of arrays."""
   return sum(int(np.prod(np.shape(x), dtype=np.int64))
@@ -144,12 +155,16 @@ class Estimate:
       the optimizer update; the paper counts them as a persistent buffer.
     opt_state: optimizer state.
     activations: activations saved for backward (0 when not estimated).
+    host: state kept in host memory instead (offload; per device, so a
+      host's RAM must hold this times its devices). ``params`` and
+      ``opt_state`` count device memory only.
   """
 
   params: float
   grads: float
   opt_state: float
   activations: float = 0.0
+  host: float = 0.0
 
   @property
   def model_states(self) -> float:
@@ -229,7 +244,8 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
                     optimizer: str = "adamw", k: float | None = None,
                     compute_dtype: Any = None, replica: int = 1,
                     activations: float | None = None,
-                    replicated: float = 0) -> Estimate:
+                    replicated: float = 0, offload_optimizer: bool = False,
+                    offload_params: bool = False) -> Estimate:
   """Per-device bytes of zero_jax's layouts for Ψ parameters (analytic).
 
   N = ``devices // replica`` is the ``data`` axis state is sharded over;
@@ -253,6 +269,12 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
   replicated compute copy cΨ, grads cΨ (stage 1) or cΨ/N (stage 2); stage 3
   a master shard 4Ψ/N and grads 4Ψ/N.
 
+  Offload (``ZeroConfig.offload_optimizer`` / ``offload_params``) moves
+  state from ``params``/``opt_state`` to ``host``: the optimizer state; the
+  fp32 master wherever forward reads a compute copy (stages 1-2 with a
+  compute dtype; stage 3 with one then keeps a cΨ/N compute shard on the
+  device); with ``offload_params`` (stage 3) the master shard.
+
   Args:
     psi: parameter count Ψ.
     devices: devices in all.
@@ -271,6 +293,8 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
       ``Engine.describe()``). 0 gives the ideal layout; the count makes the
       estimate match a real engine to the byte, up to scalars such as
       Adam's step count.
+    offload_optimizer: ``ZeroConfig(offload_optimizer="host")``.
+    offload_params: ``ZeroConfig(offload_params="host")`` (stage 3).
 
   Returns:
     The estimate.
@@ -293,9 +317,20 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
   else:
     params, grads = sharded(4), sharded(4)
   opt_state = full(kb) if stage == 0 else sharded(kb)
+  host = 0.0
+  if offload_params:
+    if stage != 3:
+      raise ValueError("offload_params needs stage 3")
+    host, params = params, 0.0
+  if offload_optimizer:
+    host, opt_state = host + opt_state, 0.0
+    if c is not None and stage in (1, 2):
+      host, params = host + sharded(4), full(c)
+    elif c is not None and stage == 3 and not offload_params:
+      host, params = host + sharded(4), sharded(c)
   return Estimate(params=float(params), grads=float(grads),
                   opt_state=float(opt_state),
-                  activations=float(activations or 0))
+                  activations=float(activations or 0), host=float(host))
 
 
 def paper_estimate(psi: float, n: int, stage: int, *, param_bytes: int = 2,
