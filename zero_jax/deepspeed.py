@@ -522,21 +522,29 @@ class _Translator:
     self.rest(zero, p, {"stage", "stage3_param_persistence_threshold",
                         "offload_optimizer", "offload_param"})
 
-  def offload_optimizer(self, section: Mapping[str, Any]) -> None:
-    p = "zero_optimization.offload_optimizer."
+  def offload_device(self, section: Mapping[str, Any], p: str, field: str,
+                     what: str) -> str:
+    """Reads ``device`` ("none" or "cpu"; "nvme" is always an error) and
+    sets ``field`` to "host" for "cpu"."""
     device = self.get(section, "device", p)
     device = "none" if device is None else _str(
         p + "device", device).strip().lower()
     if device == "nvme":
       raise ValueError(
           f"DeepSpeed config key '{p}device' is \"nvme\": disk (NVMe) "
-          "offload does not exist in zero_jax; use \"cpu\" to keep the "
-          "optimizer state in host memory")
+          f"offload does not exist in zero_jax; use \"cpu\" to keep the "
+          f"{what} in host memory")
     if device not in ("none", "cpu"):
       raise ValueError(f"DeepSpeed config key '{p}device' must be \"cpu\" "
                        f"or \"none\", got {device!r}")
     if device == "cpu":
-      self.kwargs["offload_optimizer"] = "host"
+      self.kwargs[field] = "host"
+    return device
+
+  def offload_optimizer(self, section: Mapping[str, Any]) -> None:
+    p = "zero_optimization.offload_optimizer."
+    device = self.offload_device(section, p, "offload_optimizer",
+                                 "optimizer state")
     checks = {"pin_memory": _bool, "fast_init": _bool, "pipeline_read": _bool,
               "pipeline_write": _bool, "buffer_count": _size,
               "nvme_path": _str}
@@ -558,19 +566,7 @@ class _Translator:
 
   def offload_param(self, section: Mapping[str, Any]) -> None:
     p = "zero_optimization.offload_param."
-    device = self.get(section, "device", p)
-    device = "none" if device is None else _str(
-        p + "device", device).strip().lower()
-    if device == "nvme":
-      raise ValueError(
-          f"DeepSpeed config key '{p}device' is \"nvme\": disk (NVMe) "
-          "offload does not exist in zero_jax; use \"cpu\" to keep the "
-          "parameters in host memory")
-    if device not in ("none", "cpu"):
-      raise ValueError(f"DeepSpeed config key '{p}device' must be \"cpu\" "
-                       f"or \"none\", got {device!r}")
-    if device == "cpu":
-      self.kwargs["offload_params"] = "host"
+    self.offload_device(section, p, "offload_params", "parameters")
     self.rest(section, p, {"device", "nvme_path", "pin_memory", "buffer_count",
                            "buffer_size", "max_in_cpu"})
 
