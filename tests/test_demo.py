@@ -10,14 +10,12 @@ import pytest
 import zero_jax as zj
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The config, verbatim: stage 2, fp16 with dynamic loss scaling,
-# optimizer offload to CPU (with an NVMe path that CPU offload ignores), and
-# DeepSpeed's batch arithmetic: 32 = 8 per device x 4 micro-batches x 1.
-DEEPSPEED = {
-    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
-    "zero_optimization": {"stage": 2, "offload_optimizer": {
-        "device": "cpu", "nvme_path": "/local_nvme/deepspeed"}},
-    "fp16": {"enabled": True}, "gradient_accumulation_steps": 4}
+# A migrating user's config, as shipped in experiments/: stage 2, fp16 with
+# dynamic loss scaling, optimizer offload to CPU (with an NVMe path that CPU
+# offload ignores), and DeepSpeed's batch arithmetic: 32 = 8 per device x 4
+# micro-batches x 1 device.
+with open(os.path.join(_ROOT, "experiments", "ds_config.json")) as _f:
+  DEEPSPEED = json.load(_f)
 
 
 def _run_demo(tmp_path, config, devices, steps=4):

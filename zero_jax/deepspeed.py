@@ -165,7 +165,7 @@ _NO_EFFECT_KEYS: Mapping[str, tuple[Callable[[str, Any], Any], Any]] = {
 }
 
 _NOT_IMPLEMENTED = "a DeepSpeed feature that zero_jax does not implement"
-_NO_PARAM_OFFLOAD = (
+_DEPRECATED_PARAM_OFFLOAD = (
     "deprecated in DeepSpeed: write offload_param: {\"device\": \"cpu\"}")
 _ZERO_PP = ("ZeRO++ (quantized or hierarchical communication) is not "
             "implemented in zero_jax")
@@ -233,7 +233,7 @@ _UNSUPPORTED_WHY: Mapping[str, str] = {
     "zero_optimization.cpu_offload": (
         "deprecated in DeepSpeed: write offload_optimizer: {\"device\": "
         "\"cpu\"}"),
-    "zero_optimization.cpu_offload_param": _NO_PARAM_OFFLOAD,
+    "zero_optimization.cpu_offload_param": _DEPRECATED_PARAM_OFFLOAD,
     "zero_optimization.cpu_offload_use_pin_memory": (
         "deprecated in DeepSpeed: write offload_optimizer.pin_memory"),
     "zero_optimization.stage3_model_persistence_threshold": (

@@ -289,12 +289,7 @@ class Engine:
       # Built on the host, so that no device ever holds the fp32 master
       # (the largest models fit only because of that).
       placed = jax.device_put(params, sh.params, may_alias=False)
-
-      def make_offloaded(p):
-        state = _on_host_compute(make)(p)
-        return jax.device_put(state, sh)
-
-      return jax.jit(make_offloaded, out_shardings=sh)(placed)
+      return jax.jit(_on_host_compute(make), out_shardings=sh)(placed)
     # Straight into the final layout (no device ever holds a full copy of a
     # sharded leaf), and always a copy (may_alias=False): later steps donate
     # the state, and that must never invalidate the caller's arrays.
@@ -505,9 +500,10 @@ class Engine:
             if not lp.sharded:
               f = w if cd is None else w.astype(cd)
             elif stage == 2:
-              f = collectives.use_with_scattered_grad(lp, w, varying(src), rd)
-              recorded[id(f)] = layers._Recorded("scatter", lp, w,
-                                                 varying(src), cd, rd)
+              src = varying(src)
+              f = collectives.use_with_scattered_grad(lp, w, src, rd)
+              recorded[id(f)] = layers._Recorded("scatter", lp, w, src, cd,
+                                                 rd)
             elif gather_from:
               f = collectives.gather_from(lp, w, src, cd, rd, to_device)
               recorded[id(f)] = layers._Recorded("gather_from", lp, w, src,
