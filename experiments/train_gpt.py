@@ -13,6 +13,13 @@ On a machine without an accelerator, 8 CPU devices are simulated::
   PYTHONPATH=. python experiments/train_gpt.py --deepspeed-config ds.json \
       --log-jsonl run.jsonl
 
+With ``--checkpoint-dir`` it saves every ``--save-every`` steps (and on
+SIGTERM, then exits), and resumes from the latest checkpoint when started
+again, at any stage or device count. Several processes (one per host, or
+``python -m zero_jax.launch --nproc 2 --devices-per-proc 4
+experiments/train_gpt.py`` on one machine) each feed their slice of the
+same global batch.
+
 A DeepSpeed JSON config (``--deepspeed-config``) sets the ZeRO stage, the
 precision and loss scaling, gradient accumulation and clipping, optimizer
 offload and the batch size, as DeepSpeed would; ``--remat`` and the model
@@ -27,6 +34,7 @@ import argparse
 import dataclasses
 import glob
 import os
+import signal
 import sys
 import time
 
@@ -88,6 +96,20 @@ def parse_args() -> argparse.Namespace:
   p.add_argument("--plot", default=None, metavar="PATH",
                  help="write a PNG of the memory table to PATH")
   p.add_argument("--skip-memory-table", action="store_true")
+  p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                 help="save checkpoints to DIR (and on SIGTERM); resume "
+                 "from its latest checkpoint if it has one")
+  p.add_argument("--save-every", type=int, default=100, metavar="N")
+  p.add_argument("--keep", type=int, default=3,
+                 help="checkpoints kept in --checkpoint-dir")
+  p.add_argument("--init-params", default=None, metavar="DIR",
+                 help="start from a parameters-only checkpoint (from "
+                 "--export-params or plain orbax), fresh optimizer")
+  p.add_argument("--export-params", default=None, metavar="DIR",
+                 help="after training, write the parameters as one plain "
+                 "orbax checkpoint (loadable without zero_jax)")
+  p.add_argument("--export-dtype", default="float32",
+                 choices=("float32", "bfloat16"))
   return p.parse_args()
 
 
@@ -112,7 +134,11 @@ def load_stdlib_bytes(max_bytes: int = MAX_DATA_BYTES) -> np.ndarray:
 
 def get_batch(data: np.ndarray, batch_size: int, seq_len: int,
               rng: np.random.Generator) -> dict[str, np.ndarray]:
-  """Random windows of ``seq_len + 1`` bytes (inputs plus shifted targets)."""
+  """Random windows of ``seq_len + 1`` bytes (inputs plus shifted targets).
+
+  Every process draws the same global batch (same seed) and feeds its own
+  rows of it (``zj.distributed.local_batch``).
+  """
   starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
   tokens = data[starts[:, None] + np.arange(seq_len + 1)]
   return {"tokens": tokens.astype(np.int32)}
@@ -263,7 +289,18 @@ def main() -> None:
   tx, schedule = make_optimizer(args)
   zero_config = make_zero_config(args)
   engine = zj.Engine(loss_fn, tx, zero_config, mesh, lr_schedule=schedule)
-  state = engine.init(params)
+  ckpt = (zj.Checkpointer(args.checkpoint_dir, max_to_keep=args.keep)
+          if args.checkpoint_dir else None)
+  if ckpt is not None and ckpt.latest_step() is not None:
+    # Any stage, device count or offload: each device reads its own shards.
+    state = ckpt.restore(engine, params)
+    print(f"resumed from step {int(state.step)} of {args.checkpoint_dir}")
+  elif args.init_params:
+    state = engine.init(zj.load_params(args.init_params, engine, params))
+    print(f"parameters from {args.init_params}, fresh optimizer state")
+  else:
+    state = engine.init(params)
+  first = int(state.step) + 1
   # A DeepSpeed config fixes the global batch; else --batch-size does.
   batch_size = engine.train_batch_size or args.batch_size
 
@@ -291,14 +328,16 @@ def main() -> None:
   t_train = time.perf_counter()
   with zm.ProgressBar(args.steps, every=args.log_every,
                       stream=sys.stdout) as bar:
-    for step in range(1, args.steps + 1):
-      batch = get_batch(train_data, batch_size, args.seq_len, np_rng)
+    for step in range(first, args.steps + 1):
+      # One generator per step: a resumed run sees the data it would have.
+      batch = get_batch(train_data, batch_size, args.seq_len,
+                        np.random.default_rng([args.seed, step]))
       state, metrics = engine.step(state, batch)
       # Waiting for each step makes tokens/s exact; the first step compiles
       # and is left out of it.
       jax.block_until_ready(metrics)
       meter.update()
-      if step == 1:
+      if step == first:
         print(f"compile + first step {time.perf_counter() - t_train:.1f}s")
       shown = {k: metrics[k] for k in ("loss", "grad_norm", "learning_rate",
                                        "loss_scale", "skipped_steps")
@@ -309,12 +348,28 @@ def main() -> None:
         log.log(step, **metrics, **meter.rates())
       if step % args.log_every == 0:
         meter.window()
+      if ckpt is not None:
+        preempted = ckpt.reached_preemption(step)
+        if step % args.save_every == 0 or step == args.steps or preempted:
+          ckpt.save(state, engine=engine)  # async: training goes on
+        if preempted:
+          ckpt.close()  # waits for the save
+          print(f"\nSIGTERM: saved step {step} to {args.checkpoint_dir}; "
+                "exiting (start again to resume)")
+          sys.exit(128 + signal.SIGTERM)
   if log is not None:
     log.close()
+  if ckpt is not None:
+    ckpt.close()
+  if args.export_params:
+    zj.export_params(engine, state, args.export_params,
+                     dtype=jnp.dtype(args.export_dtype))
+    print(f"exported the parameters ({args.export_dtype}) to "
+          f"{args.export_params}")
   if meter.tokens_per_second:
     mfu = f", MFU {100 * meter.mfu:.1f}%" if meter.mfu is not None else ""
     print(f"throughput {meter.tokens_per_second:,.0f} tok/s over steps "
-          f"2-{args.steps}{mfu}")
+          f"{first + 1}-{args.steps}{mfu}")
 
   # ------------------------------------------------------------- evaluate
   full = engine.gather_params(state)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,15 +19,17 @@ with open(os.path.join(_ROOT, "experiments", "ds_config.json")) as _f:
   DEEPSPEED = json.load(_f)
 
 
-def _run_demo(tmp_path, config, devices, steps=4):
-  path = tmp_path / "ds_config.json"
-  path.write_text(json.dumps(config))
-  log = tmp_path / "metrics.jsonl"
+def _run_demo(tmp_path, config, devices, steps=4, *extra):
+  args = ["--devices", str(devices), *extra]
+  if config is not None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    args += ["--deepspeed-config", str(path)]
+  log = tmp_path / f"metrics{len(list(tmp_path.glob('*.jsonl')))}.jsonl"
   env = dict(os.environ, PYTHONPATH=_ROOT)
   out = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "experiments", "train_gpt.py"),
-       "--deepspeed-config", str(path), "--devices", str(devices),
-       "--steps", str(steps), "--d-model", "32", "--layers", "1",
+       *args, "--steps", str(steps), "--d-model", "32", "--layers", "1",
        "--heads", "2", "--seq-len", "16", "--skip-memory-table",
        "--log-jsonl", str(log)],
       env=env, capture_output=True, text=True, timeout=300)
@@ -56,3 +59,28 @@ def test_the_config_contradicts_itself_on_8_devices():
   nvme["zero_optimization"]["offload_optimizer"]["device"] = "nvme"
   with pytest.raises(ValueError, match="nvme"):
     zj.ZeroConfig.from_deepspeed(nvme)
+
+
+def test_demo_resumes_at_another_stage_and_device_count(tmp_path):
+  ckpt = str(tmp_path / "ckpt")
+  out, log = _run_demo(tmp_path, None, 8, 6, "--checkpoint-dir", ckpt,
+                       "--save-every", "2", "--keep", "2")
+  assert out.returncode == 0, out.stdout + out.stderr
+  losses = {json.loads(r)["step"]: json.loads(r)["loss"]
+            for r in log.read_text().splitlines()}
+  assert sorted(zj.Checkpointer(ckpt).all_steps()) == [4, 6]
+  # Back to step 4 (as if killed before step 6 was saved), then resumed at
+  # stage 0 on 1 device with the same --steps (same schedule and data):
+  # steps 5 and 6 repeat their losses.
+  shutil.rmtree(os.path.join(ckpt, "6"))
+  out, log = _run_demo(tmp_path, None, 1, 6, "--checkpoint-dir", ckpt,
+                       "--stage", "0", "--export-params",
+                       str(tmp_path / "export"))
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "resumed from step 4" in out.stdout
+  resumed = {json.loads(r)["step"]: json.loads(r)["loss"]
+             for r in log.read_text().splitlines()}
+  assert sorted(resumed) == [5, 6]
+  for step, loss in resumed.items():
+    assert abs(loss - losses[step]) <= 1e-5 * abs(losses[step])
+  assert "exported the parameters (float32)" in out.stdout

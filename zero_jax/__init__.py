@@ -1,6 +1,7 @@
 """zero_jax: ZeRO (stages 0-3) for JAX as layouts plus explicit collectives."""
 
 from zero_jax import metrics
+from zero_jax.checkpoint import Checkpointer, export_params, load_params
 from zero_jax.config import ZeroConfig
 from zero_jax.deepspeed import from_deepspeed
 from zero_jax.engine import Engine, TrainState
@@ -14,6 +15,7 @@ from zero_jax.mesh import make_mesh
 from zero_jax.plan import LeafPlan, Plan, plan_leaf
 
 __all__ = [
+    "Checkpointer",
     "Engine",
     "LeafPlan",
     "LossScaleState",
@@ -25,7 +27,9 @@ __all__ = [
     "estimate_activations",
     "estimate_comm",
     "estimate_memory",
+    "export_params",
     "from_deepspeed",
+    "load_params",
     "make_mesh",
     "metrics",
     "plan_leaf",

@@ -273,28 +273,69 @@ class Engine:
     """
     self._build(params)
     sh = self.state_shardings
-
-    def make(p):
-      master = jax.tree.map(lambda x: x.astype(jnp.float32), p)
-      compute = (jax.tree.map(lambda x: x.astype(self._cd), master)
-                 if self._keep_compute or self._shard_compute else None)
-      return TrainState(step=jnp.zeros((), jnp.int32), params=master,
-                        opt_state=self.tx.init(master),
-                        rng=jax.random.PRNGKey(self.config.seed),
-                        compute_params=compute,
-                        loss_scale=(_ls.init(self.config) if self._scaled
-                                    else None))
-
     if self._master_on_host:
       # Built on the host, so that no device ever holds the fp32 master
       # (the largest models fit only because of that).
       placed = jax.device_put(params, sh.params, may_alias=False)
-      return jax.jit(_on_host_compute(make), out_shardings=sh)(placed)
+      return jax.jit(_on_host_compute(self._make_state),
+                     out_shardings=sh)(placed)
     # Straight into the final layout (no device ever holds a full copy of a
     # sharded leaf), and always a copy (may_alias=False): later steps donate
     # the state, and that must never invalidate the caller's arrays.
     placed = jax.device_put(params, self._device_params, may_alias=False)
-    return jax.jit(make, out_shardings=sh)(placed)
+    return jax.jit(self._make_state, out_shardings=sh)(placed)
+
+  def _make_state(self, params: Any) -> TrainState:
+    master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=master,
+                      opt_state=self.tx.init(master),
+                      rng=jax.random.PRNGKey(self.config.seed),
+                      compute_params=self._compute_copy(master),
+                      loss_scale=(_ls.init(self.config) if self._scaled
+                                  else None))
+
+  def _compute_copy(self, master: Any) -> Any:
+    """The compute-dtype copy forward reads, where it is a separate copy."""
+    if not (self._keep_compute or self._shard_compute):
+      return None
+    return jax.tree.map(lambda x: x.astype(self._cd), master)
+
+  def abstract_state(self, params: Any) -> TrainState:
+    """The ``TrainState`` that ``init(params)`` would build, as
+    ``jax.ShapeDtypeStruct`` leaves carrying their shardings.
+
+    Args:
+      params: the parameters, or only their shapes and dtypes (e.g.
+        ``jax.eval_shape(model.init, ...)``): nothing is computed or placed.
+
+    Returns:
+      The abstract state: the target to restore a checkpoint into.
+    """
+    self._build(params)
+    shapes = jax.eval_shape(self._make_state, params)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes, self.state_shardings)
+
+  def _complete(self, state: TrainState) -> TrainState:
+    """Fills in what a checkpoint does not store: the compute copy (a cast
+    of the master) and, for float16, a loss scale if the checkpoint had
+    none."""
+    sh = self.state_shardings
+    compute = loss_scale = None
+    if sh.compute_params is not None:
+      def cast(master):
+        # (An offloaded master is cast on the device, shard by shard.)
+        return self._compute_copy(
+            jax.device_put(master, _on_device(self.param_plan.shardings)))
+      compute = jax.jit(cast, out_shardings=sh.compute_params)(state.params)
+    if self._scaled:
+      loss_scale = state.loss_scale
+      if loss_scale is None:
+        loss_scale = jax.jit(lambda: _ls.init(self.config),
+                             out_shardings=sh.loss_scale)()
+    return dataclasses.replace(state, compute_params=compute,
+                               loss_scale=loss_scale)
 
   def gather_params(self, state: TrainState) -> Any:
     """The full parameters, unsharded, in the tree and dtypes given to init.
