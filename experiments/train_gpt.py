@@ -272,6 +272,10 @@ def memory_table(loss_fn, tx, params, batch, mesh, config,
 
 def main() -> None:
   args = parse_args()
+  # Several processes (zero_jax.launch, SLURM, ...): join them; one plain
+  # process: nothing to do. Before anything touches the devices.
+  zj.distributed.initialize()
+  say = print if zj.distributed.is_main_process() else lambda *a, **k: None
   t_start = time.perf_counter()
   mesh = zj.make_mesh(num_devices=args.devices, replica=args.replica)
   n = mesh.size
@@ -294,27 +298,27 @@ def main() -> None:
   if ckpt is not None and ckpt.latest_step() is not None:
     # Any stage, device count or offload: each device reads its own shards.
     state = ckpt.restore(engine, params)
-    print(f"resumed from step {int(state.step)} of {args.checkpoint_dir}")
+    say(f"resumed from step {int(state.step)} of {args.checkpoint_dir}")
   elif args.init_params:
     state = engine.init(zj.load_params(args.init_params, engine, params))
-    print(f"parameters from {args.init_params}, fresh optimizer state")
+    say(f"parameters from {args.init_params}, fresh optimizer state")
   else:
     state = engine.init(params)
   first = int(state.step) + 1
   # A DeepSpeed config fixes the global batch; else --batch-size does.
   batch_size = engine.train_batch_size or args.batch_size
 
-  print(f"devices: {n} x {jax.devices()[0].platform} "
+  say(f"devices: {n} x {jax.devices()[0].platform} "
         f"({jax.devices()[0].device_kind})")
-  print(f"data: {len(train_data):,} train / {len(val_data):,} val bytes of "
+  say(f"data: {len(train_data):,} train / {len(val_data):,} val bytes of "
         "Python stdlib source")
-  print(f"model: {config}, {param_count(params):,} parameters")
-  print(f"run: {vars(args)}")
-  print(f"zero config: {zero_config}")
-  print(f"global batch {batch_size} = {engine.grad_accum_steps} "
+  say(f"model: {config}, {param_count(params):,} parameters")
+  say(f"run: {vars(args)}")
+  say(f"zero config: {zero_config}")
+  say(f"global batch {batch_size} = {engine.grad_accum_steps} "
         f"micro-batch(es) x {n} device(s) x "
         f"{batch_size // (engine.grad_accum_steps * n)} sequences\n")
-  print(engine.describe(), "\n")
+  say(engine.describe(), "\n")
 
   # ---------------------------------------------------------------- train
   n_params = param_count(params)
@@ -324,21 +328,24 @@ def main() -> None:
       flops_per_token=zm.transformer_flops_per_token(
           n_params, args.layers, args.seq_len, args.d_model),
       peak=zm.peak_flops(), num_devices=n)
-  log = zm.JsonlLogger(args.log_jsonl) if args.log_jsonl else None
+  log = (zm.JsonlLogger(args.log_jsonl)
+         if args.log_jsonl and zj.distributed.is_main_process() else None)
   t_train = time.perf_counter()
   with zm.ProgressBar(args.steps, every=args.log_every,
-                      stream=sys.stdout) as bar:
+                      stream=sys.stdout if zj.distributed.is_main_process()
+                      else open(os.devnull, "w")) as bar:
     for step in range(first, args.steps + 1):
       # One generator per step: a resumed run sees the data it would have.
       batch = get_batch(train_data, batch_size, args.seq_len,
                         np.random.default_rng([args.seed, step]))
-      state, metrics = engine.step(state, batch)
+      state, metrics = engine.step(state,
+                                   zj.distributed.local_batch(batch, mesh))
       # Waiting for each step makes tokens/s exact; the first step compiles
       # and is left out of it.
       jax.block_until_ready(metrics)
       meter.update()
       if step == first:
-        print(f"compile + first step {time.perf_counter() - t_train:.1f}s")
+        say(f"compile + first step {time.perf_counter() - t_train:.1f}s")
       shown = {k: metrics[k] for k in ("loss", "grad_norm", "learning_rate",
                                        "loss_scale", "skipped_steps")
                if k in metrics}
@@ -354,7 +361,7 @@ def main() -> None:
           ckpt.save(state, engine=engine)  # async: training goes on
         if preempted:
           ckpt.close()  # waits for the save
-          print(f"\nSIGTERM: saved step {step} to {args.checkpoint_dir}; "
+          say(f"\nSIGTERM: saved step {step} to {args.checkpoint_dir}; "
                 "exiting (start again to resume)")
           sys.exit(128 + signal.SIGTERM)
   if log is not None:
@@ -364,11 +371,11 @@ def main() -> None:
   if args.export_params:
     zj.export_params(engine, state, args.export_params,
                      dtype=jnp.dtype(args.export_dtype))
-    print(f"exported the parameters ({args.export_dtype}) to "
+    say(f"exported the parameters ({args.export_dtype}) to "
           f"{args.export_params}")
   if meter.tokens_per_second:
     mfu = f", MFU {100 * meter.mfu:.1f}%" if meter.mfu is not None else ""
-    print(f"throughput {meter.tokens_per_second:,.0f} tok/s over steps "
+    say(f"throughput {meter.tokens_per_second:,.0f} tok/s over steps "
           f"{first + 1}-{args.steps}{mfu}")
 
   # ------------------------------------------------------------- evaluate
@@ -376,11 +383,11 @@ def main() -> None:
   eval_loss = jax.jit(loss_fn)
   val_rng = np.random.default_rng(args.seed + 1)
   val_losses = [
-      float(eval_loss(full, engine.shard_batch(
-          get_batch(val_data, batch_size, args.seq_len, val_rng))))
+      float(eval_loss(full, engine.shard_batch(zj.distributed.local_batch(
+          get_batch(val_data, batch_size, args.seq_len, val_rng), mesh))))
       for _ in range(8)
   ]
-  print(f"\nvalidation loss {np.mean(val_losses):.4f} "
+  say(f"\nvalidation loss {np.mean(val_losses):.4f} "
         f"({8 * batch_size} held-out windows)")
 
   # Greedy sample: slide a seq_len window over a buffer, one jit for all.
@@ -399,24 +406,27 @@ def main() -> None:
     return jax.lax.fori_loop(0, n_new, body, buf)
 
   # One device is plenty for a batch of one.
-  one = jax.device_put(full, jax.devices()[0])
+  one = jax.tree.map(lambda x: x.addressable_data(0), full)
   # Start the prompt at a line boundary so the sample is easier to read.
   start = int(np.argmax(val_data == ord("\n"))) + 1
   prompt = val_data[start:start + args.seq_len].astype(np.int32)
   out = np.asarray(generate(one, prompt)).astype(np.uint8).tobytes()
   text = lambda b: b.decode("utf-8", errors="replace")
-  print(f"sample (prompt, then >>> greedy continuation):\n"
+  say(f"sample (prompt, then >>> greedy continuation):\n"
         f"{text(out[:args.seq_len])}>>>{text(out[args.seq_len:])}\n")
   del one, full
   for x in jax.tree.leaves(state):
     x.delete()
-  print(f"training done in {time.perf_counter() - t_start:.1f}s")
+  say(f"training done in {time.perf_counter() - t_start:.1f}s")
 
   # ---------------------------------------------------------- memory table
-  if not args.skip_memory_table:
+  if jax.process_count() > 1:
+    say("(the memory table compiles every stage in one process: run it "
+        "without the launcher)")
+  elif not args.skip_memory_table:
     batch = get_batch(train_data, batch_size, args.seq_len, np_rng)
     memory_table(loss_fn, tx, params, batch, mesh, zero_config, args.plot)
-  print(f"\ntotal {time.perf_counter() - t_start:.1f}s")
+  say(f"\ntotal {time.perf_counter() - t_start:.1f}s")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """zero_jax: ZeRO (stages 0-3) for JAX as layouts plus explicit collectives."""
 
-from zero_jax import metrics
+from zero_jax import distributed, metrics
 from zero_jax.checkpoint import Checkpointer, export_params, load_params
 from zero_jax.config import ZeroConfig
 from zero_jax.deepspeed import from_deepspeed
@@ -24,6 +24,7 @@ __all__ = [
     "TrainState",
     "ZeroConfig",
     "checkpoint_name",
+    "distributed",
     "estimate_activations",
     "estimate_comm",
     "estimate_memory",
