@@ -39,14 +39,6 @@ def engine(stage: int, **overrides) -> zj.Engine:
   return zj.Engine(m.mlp_loss, TX, config, zj.make_mesh())
 
 
-def train(eng, state, batches):
-  losses = []
-  for b in batches:
-    state, metrics = eng.step(state, b)
-    losses.append(float(metrics["loss"]))
-  return state, losses
-
-
 def resume(spec: str, out: str) -> None:
   results = {}
   for i, job in enumerate(json.load(open(spec))):
@@ -54,7 +46,7 @@ def resume(spec: str, out: str) -> None:
     with zj.Checkpointer(job["dir"]) as ckpt:
       state = ckpt.restore(eng, m.mlp_params())
     assert int(state.step) == 5
-    state, losses = train(eng, state, BATCHES[5:])
+    state, losses = m.run_steps(eng, state, BATCHES[5:])
     results[f"{i}/losses"] = np.array(losses)
     for k, v in eng.gather_params(state).items():
       results[f"{i}/{k}"] = np.asarray(v)
@@ -66,7 +58,7 @@ def kill_during_save(directory: str) -> None:
   from orbax.checkpoint._src.path import atomicity  # pylint: disable=g-import-not-at-top
 
   eng = engine(3)
-  state, _ = train(eng, eng.init(m.mlp_params()), BATCHES[:1])
+  state, _ = m.run_steps(eng, eng.init(m.mlp_params()), BATCHES[:1])
   ckpt = zj.Checkpointer(directory)
   ckpt.save(state)
   ckpt.wait()
@@ -77,7 +69,7 @@ def kill_during_save(directory: str) -> None:
     return await finalize(self, *args, **kwargs)
 
   atomicity.AtomicRenameTemporaryPath.finalize = stalled
-  state, _ = train(eng, state, BATCHES[1:2])
+  state, _ = m.run_steps(eng, state, BATCHES[1:2])
   ckpt.save(state)  # returns; the write goes on in the background
   print("SAVING", flush=True)
   ckpt.wait()

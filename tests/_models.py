@@ -97,12 +97,17 @@ def train_reference(loss_fn, tx, params, batches):
   return losses, params
 
 
-def train_engine(engine, params, batches):
-  state = engine.init(params)
+def run_steps(engine, state, batches):
+  """Steps ``engine`` over ``batches``: the final state and the losses."""
   losses = []
   for b in batches:
     state, metrics = engine.step(state, b)
     losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+def train_engine(engine, params, batches):
+  state, losses = run_steps(engine, engine.init(params), batches)
   return losses, engine.gather_params(state), state
 
 

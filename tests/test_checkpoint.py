@@ -29,14 +29,6 @@ def _engine(stage, devices=8, tx=TX, loss=m.mlp_loss, **overrides):
   return zj.Engine(loss, tx, config, zj.make_mesh(devices))
 
 
-def _train(engine, state, batches):
-  losses = []
-  for b in batches:
-    state, metrics = engine.step(state, b)
-    losses.append(float(metrics["loss"]))
-  return state, losses
-
-
 def _worker(devices, *args, **kwargs):
   env = dict(os.environ, PYTHONPATH=ROOT)
   env.pop("XLA_FLAGS", None)
@@ -54,15 +46,15 @@ def saved(tmp_path_factory):
   dirs, first = {}, {}
   for name, overrides in (("plain", {}), ("offload", OFFLOAD)):
     engine = _engine(3, **overrides)
-    state, first[name] = _train(engine, engine.init(m.mlp_params()),
+    state, first[name] = m.run_steps(engine, engine.init(m.mlp_params()),
                                 BATCHES[:5])
     dirs[name] = str(root / name)
     with zj.Checkpointer(dirs[name]) as ckpt:
       ckpt.save(state, engine=engine)
   engine = _engine(3)
-  _, losses, = _train(engine, engine.init(m.mlp_params()), BATCHES)
+  state, losses = m.run_steps(engine, engine.init(m.mlp_params()), BATCHES)
   assert first["plain"] == first["offload"] == losses[:5]
-  return dirs, losses, engine.gather_params(_)
+  return dirs, losses, engine.gather_params(state)
 
 
 def _assert_uninterrupted(losses, params, saved):
@@ -104,7 +96,7 @@ def test_restore_on_1_device(saved, name, stage, overrides):
       engine.state_shardings)):
     assert leaf.sharding.is_equivalent_to(sh, leaf.ndim)
     assert leaf.sharding.memory_kind == sh.memory_kind
-  state, losses = _train(engine, state, BATCHES[5:])
+  state, losses = m.run_steps(engine, state, BATCHES[5:])
   _assert_uninterrupted(losses, engine.gather_params(state), saved)
 
 
@@ -113,7 +105,7 @@ def test_restore_only_needs_shapes(saved):
   shapes = jax.eval_shape(m.mlp_params)
   with zj.Checkpointer(saved[0]["plain"]) as ckpt:
     state = ckpt.restore(engine, shapes)
-  state, losses = _train(engine, state, BATCHES[5:])
+  state, losses = m.run_steps(engine, state, BATCHES[5:])
   _assert_uninterrupted(losses, engine.gather_params(state), saved)
 
 
@@ -123,7 +115,7 @@ def test_mixed_precision_copy_and_loss_scale_are_rebuilt(tmp_path):
   # and the loss scale comes back.
   fp16 = {"compute_dtype": "float16", "loss_scale_window": 2}
   engine = _engine(3, offload_optimizer="host", **fp16)
-  state, _ = _train(engine, engine.init(m.mlp_params()), BATCHES[:3])
+  state, _ = m.run_steps(engine, engine.init(m.mlp_params()), BATCHES[:3])
   scale = jax.tree.map(np.asarray, state.loss_scale)
   with zj.Checkpointer(tmp_path) as ckpt:
     ckpt.save(state)
@@ -172,11 +164,12 @@ def test_keeps_the_last_k_and_resumes_the_latest(tmp_path):
 
 def test_async_save_is_not_disturbed_by_the_next_donating_steps(tmp_path):
   engine = _engine(3)
-  state, _ = _train(engine, engine.init(m.mlp_params()), BATCHES[:2])
+  state, _ = m.run_steps(engine, engine.init(m.mlp_params()), BATCHES[:2])
   want = jax.tree.map(np.asarray, (state.params, state.opt_state))
   with zj.Checkpointer(tmp_path) as ckpt:
     ckpt.save(state)
-    state, _ = _train(engine, state, BATCHES[2:6])  # donates the saved state
+    # The next steps donate the state being saved.
+    state, _ = m.run_steps(engine, state, BATCHES[2:6])
     ckpt.wait()
     restored = ckpt.restore(engine, m.mlp_params(), step=2)
   got = jax.tree.map(np.asarray, (restored.params, restored.opt_state))
@@ -244,13 +237,13 @@ def test_killed_during_an_async_save_the_previous_checkpoint_restores(
   proc.kill()
   proc.wait(timeout=60)
   engine = _engine(3)
-  _, want = _train(engine, engine.init(m.mlp_params()), BATCHES[:3])
+  _, want = m.run_steps(engine, engine.init(m.mlp_params()), BATCHES[:3])
   with zj.Checkpointer(tmp_path) as ckpt:
     assert ckpt.all_steps() == [1]
     state = ckpt.restore(engine, m.mlp_params())
     assert int(state.step) == 1
     # Training goes on from there, and saves again over the debris.
-    state, losses = _train(engine, state, BATCHES[1:3])
+    state, losses = m.run_steps(engine, state, BATCHES[1:3])
     np.testing.assert_allclose(losses, want[1:], rtol=1e-6)
     assert ckpt.save(state)
   with zj.Checkpointer(tmp_path) as ckpt:
@@ -277,9 +270,11 @@ def test_sigterm_saves_a_final_checkpoint(tmp_path):
 # -------------------------------------------------------------- export
 
 
-def test_export_loads_with_plain_orbax(tmp_path):
-  engine = _engine(3)
-  state, _ = _train(engine, engine.init(m.mlp_params()), BATCHES[:3])
+@pytest.mark.parametrize("stage,overrides", [(3, {}), (1, {}),
+                                             (3, OFFLOAD)])
+def test_export_loads_with_plain_orbax(tmp_path, stage, overrides):
+  engine = _engine(stage, **overrides)
+  state, _ = m.run_steps(engine, engine.init(m.mlp_params()), BATCHES[:3])
   full = jax.tree.map(np.asarray, engine.gather_params(state))
   zj.export_params(engine, state, tmp_path / "fp32")
   zj.export_params(engine, state, tmp_path / "bf16", dtype=jnp.bfloat16)
@@ -298,7 +293,7 @@ def test_export_loads_with_plain_orbax(tmp_path):
 
 def test_load_params_starts_training_with_a_fresh_optimizer(tmp_path):
   engine = _engine(2)
-  state, _ = _train(engine, engine.init(m.mlp_params()), BATCHES[:3])
+  state, _ = m.run_steps(engine, engine.init(m.mlp_params()), BATCHES[:3])
   zj.export_params(engine, state, tmp_path / "p")
   trained = jax.tree.map(np.asarray, engine.gather_params(state))
   other = _engine(3, devices=4)
@@ -310,7 +305,7 @@ def test_load_params_starts_training_with_a_fresh_optimizer(tmp_path):
   fresh = other.init(params)
   assert int(fresh.step) == 0
   _, want = m.train_reference(m.mlp_loss, TX, trained, BATCHES[3:6])
-  state, _ = _train(other, fresh, BATCHES[3:6])
+  state, _ = m.run_steps(other, fresh, BATCHES[3:6])
   m.assert_matches([0.0], other.gather_params(state), [0.0], want)
   with pytest.raises(ValueError, match=r"params/w2 has shape"):
     zj.load_params(tmp_path / "p", other, _wider_params())
@@ -325,7 +320,7 @@ def test_exported_params_load_into_a_plain_flax_model(framework, tmp_path):
   loss_fn, params = fl.SETUPS[framework]()
   engine = _engine(3, loss=loss_fn)
   data = fl.batches(4)
-  state, _ = _train(engine, engine.init(params), data[:3])
+  state, _ = m.run_steps(engine, engine.init(params), data[:3])
   zj.export_params(engine, state, tmp_path / "params")
   _, metrics = engine.step(state, data[3])  # the loss before this update
   ckptr = ocp.StandardCheckpointer()

@@ -356,12 +356,9 @@ def test_two_processes_match_one_at_every_stage(tmp_path):
     with zj.Checkpointer(tmp_path / f"ckpt_{run}") as ckpt:
       state = ckpt.restore(engine, m.mlp_params())
     assert int(state.step) == 5
-    losses = list(result[f"{run}/losses"])
-    for batch in ten[5:]:
-      state, metrics = engine.step(state, batch)
-      losses.append(float(metrics["loss"]))
-    m.assert_matches(losses, engine.gather_params(state), ref_losses,
-                     ref_params)
+    state, losses = m.run_steps(engine, state, ten[5:])
+    m.assert_matches(list(result[f"{run}/losses"]) + losses,
+                     engine.gather_params(state), ref_losses, ref_params)
 
 
 def _start_pair(mode, out_dir):

@@ -31,6 +31,7 @@ start training with a fresh optimizer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import threading
@@ -131,10 +132,8 @@ class Checkpointer:
             "num_devices": jax.device_count(),
             "process_count": jax.process_count()}
     if engine is not None:
-      meta["config"] = {f.name: getattr(engine.config, f.name)
-                        for f in dataclasses.fields(engine.config)}
-      meta["config"] = {k: (list(v) if isinstance(v, tuple) else v)
-                        for k, v in meta["config"].items()}
+      # (JSON: tuples become lists.)
+      meta["config"] = dataclasses.asdict(engine.config)
     return self._manager.save(step, args=ocp.args.Composite(
         meta=ocp.args.JsonSave(meta), **items))
 
@@ -296,14 +295,13 @@ def export_params(engine: Engine, state: TrainState,
     raise FileExistsError(f"{directory!r} exists; export to a new directory")
   dtypes = engine._dtypes  # pylint: disable=protected-access
   shards = engine.param_plan.shardings  # device memory, this engine's layout
-  leaves = jax.tree.leaves(state.params)
   out = []
-  for x, dt, sh in zip(leaves, dtypes, jax.tree.leaves(shards)):
-    dt = jnp.dtype(dt if dtype is None else dtype)
-    # One leaf at a time: a cast (and, if offloaded, a copy to the device)
-    # of one shard per device; replicated leaves are sliced, not gathered.
-    x = jax.device_put(x, x.sharding.with_memory_kind("device"))
-    out.append(jax.jit(lambda v, dt=dt: v.astype(dt), out_shardings=sh)(x))
+  for x, dt, sh in zip(jax.tree.leaves(state.params), dtypes,
+                       jax.tree.leaves(shards)):
+    # One leaf at a time, in the sharded layout (a replicated master is
+    # sliced, an offloaded one copied to the device), cast shard by shard.
+    out.append(_cast(jax.device_put(x, sh),
+                     jnp.dtype(dt if dtype is None else dtype)))
   tree = jax.tree.unflatten(jax.tree.structure(state.params), out)
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(directory, tree)
@@ -354,6 +352,11 @@ def load_params(directory: str | os.PathLike, engine: Engine,
 
 
 # --------------------------------------------------------------- helpers
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+  return x.astype(dtype)
+
 
 def _ls_dict(ls: Any) -> dict[str, Any]:
   return {f.name: getattr(ls, f.name) for f in dataclasses.fields(ls)}
