@@ -402,6 +402,9 @@ def test_killed_process_stops_the_other(victim, tmp_path):
     procs[victim].kill()
     rc = _wait(procs[1 - victim], DEADLINE)
     elapsed = time.monotonic() - t0
+    # (Shown with pytest -s: the figures the README quotes.)
+    print(f"\nprocess {victim} SIGKILLed: process {1 - victim} exited "
+          f"{rc} after {elapsed:.1f} s")
     assert rc is not None, f"survivor still running after {DEADLINE} s"
     assert rc != 0, _logs(tmp_path)
     assert elapsed < DEADLINE
@@ -430,6 +433,8 @@ def test_exception_in_one_process_stops_the_other(tmp_path):
   assert "process 1 failed with ValueError: deliberate failure; stopping " \
          "process 0 too" in logs
   # Start-up included; JAX alone would take the heartbeat timeout (30 s).
+  print(f"\nprocess 1 raised: both exited after {elapsed:.1f} s, start-up "
+        "included")
   assert elapsed < 25, elapsed
 
 

@@ -342,7 +342,7 @@ def initialize(coordinator_address: str | None = None,
       processes. This bounds how long the others can hang after a process
       is killed (JAX's own default is 100 s).
     fail_fast: if a process ends with an uncaught exception, it exits at
-      once and the others exit within about a second, instead of waiting
+      once and the others (polling once a second) exit too, instead of waiting
       for timeouts (see the module docstring).
     **kwargs: passed to ``jax.distributed.initialize`` (e.g.
       ``initialization_timeout``, ``shutdown_timeout_seconds``,

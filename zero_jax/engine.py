@@ -709,8 +709,7 @@ class Engine:
       if self._keep_compute:
         compute_params = self._gather_replicated(device_master, self._cd)
       elif self._shard_compute:
-        compute_params = jax.tree.map(lambda x: x.astype(self._cd),
-                                      device_master)
+        compute_params = self._compute_copy(device_master)
       else:
         master = self._gather_replicated(device_master)
     new_state = TrainState(step=state.step + 1, params=master,
