@@ -24,6 +24,12 @@ On a machine without an accelerator, 8 CPU devices are simulated::
   PYTHONPATH=. python experiments/memory_sweep.py
   PYTHONPATH=. python experiments/memory_sweep.py --d-model 128 --devices 2,8 \\
       --out /tmp/sweep.md --plot /tmp/sweep.png
+
+``--compile h100`` compiles every step for N H100s instead (``zero_jax.aot``,
+the ``gpu-compile`` extra; no GPU needed): what a GPU user runs, with 16-bit
+collectives kept, real reduce-scatters from GSPMD and the GPU scheduler::
+
+  PYTHONPATH=. python experiments/memory_sweep.py --compile h100 --devices 8
 """
 
 from _devices import simulate_cpu_devices
@@ -45,10 +51,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import hlo, memory
+from zero_jax import aot, hlo, memory
 from zero_jax.memory import (compiled_memory, paper_model_state_bytes,
                              param_count, per_device_bytes)
-from zero_jax.mesh import DATA
+from zero_jax.mesh import DATA, layout_mesh
 from zero_jax.models import GPT, GPTConfig, gpt, make_loss_fn
 
 RUNS = ("0", "1", "2", "3", "fsdp", "gspmd")
@@ -76,6 +82,9 @@ def parse_args() -> argparse.Namespace:
                  help="also write the table and notes as markdown")
   p.add_argument("--plot", default=None, metavar="PATH.png",
                  help="write a bar chart of memory and traffic")
+  p.add_argument("--compile", default=None, metavar="TARGET",
+                 help="compile for N GPUs of TARGET (h100, h200, a100-80gb) "
+                 "instead of the simulated CPU devices")
   p.add_argument("--hlo-dir", default=None, metavar="DIR",
                  help="write each compiled step's HLO text here")
   return p.parse_args()
@@ -171,7 +180,8 @@ def compile_peer(loss_fn, tx, params, batch, mesh):
   lowered from shapes and shardings.
 
   Returns:
-    The compiled step and its (params, opt_state) bytes per device.
+    The compiled step's memory and HLO text, and its (params, opt_state)
+    bytes per device.
   """
   abstract = lambda tree, shardings: jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -179,7 +189,8 @@ def compile_peer(loss_fn, tx, params, batch, mesh):
   param_sh = zj.Plan(params, mesh, 3, MIN_SHARD_ELEMENTS).shardings
   opt_shapes = jax.eval_shape(tx.init, params)
   opt_sh = zj.Plan(opt_shapes, mesh, 3, MIN_SHARD_ELEMENTS).shardings
-  batch_sh = jax.tree.map(lambda _: NamedSharding(mesh, P(DATA)), batch)
+  batch_sh = jax.tree.map(
+      lambda _: NamedSharding(layout_mesh(mesh), P(DATA)), batch)
 
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -188,22 +199,29 @@ def compile_peer(loss_fn, tx, params, batch, mesh):
 
   jitted = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh,
-                                  NamedSharding(mesh, P())),
+                                  NamedSharding(layout_mesh(mesh), P())),
                    donate_argnums=(0, 1))
   args = (abstract(params, param_sh), abstract(opt_shapes, opt_sh),
           abstract(batch, batch_sh))
-  return jitted.lower(*args).compile(), per_device_bytes(args[:2])
+  with jax.set_mesh(mesh):
+    compiled = jitted.lower(*args).compile()
+  return (compiled_memory(compiled), compiled.as_text(),
+          per_device_bytes(args[:2]))
 
 
 def compile_zero(loss_fn, tx, params, batch, mesh, stage: int):
-  """The engine's compiled step and its train state's bytes per device."""
+  """The engine's compiled step (memory, HLO text) and its train state's
+  bytes per device, from shapes (``zero_jax.aot.compile_step``)."""
   engine = zj.Engine(loss_fn, tx, zj.ZeroConfig(stage=stage), mesh)
-  state = engine.init(params)
-  compiled = engine.step.lower(state, batch).compile()
-  state_bytes = per_device_bytes(state)
-  for x in jax.tree.leaves(state):
-    x.delete()
-  return compiled, state_bytes
+  c = aot.compile_step(engine, params, batch)
+  return c.memory, c.hlo, per_device_bytes(engine.abstract_state(params))
+
+
+def make_mesh(args, n: int):
+  """N simulated CPU devices, or N compile-only GPUs with ``--compile``."""
+  if args.compile:
+    return aot.gpu_mesh(args.compile, n)
+  return zj.make_mesh(num_devices=n)
 
 
 # ------------------------------------------------------------------- sweep
@@ -218,21 +236,19 @@ def sweep(args, graphdef, config, tx, params, batch) -> list[Row]:
   t0 = time.perf_counter()
   for run in RUNS:
     for n in ns:
-      mesh = zj.make_mesh(num_devices=n)
+      mesh = make_mesh(args, n)
       t = time.perf_counter()
       if run == "fsdp":
-        compiled, state = compile_peer(pinned_loss_fn(graphdef, config, mesh),
-                                       tx, params, batch, mesh)
+        mem, text, state = compile_peer(
+            pinned_loss_fn(graphdef, config, mesh), tx, params, batch, mesh)
       elif run == "gspmd":
-        compiled, state = compile_peer(loss_fn, tx, params, batch, mesh)
+        mem, text, state = compile_peer(loss_fn, tx, params, batch, mesh)
       else:
-        compiled, state = compile_zero(loss_fn, tx, params, batch, mesh,
-                                       int(run))
-      text = compiled.as_text()
+        mem, text, state = compile_zero(loss_fn, tx, params, batch, mesh,
+                                        int(run))
       if args.hlo_dir:
         with open(os.path.join(args.hlo_dir, f"{run}_n{n}.hlo"), "w") as f:
           f.write(text)
-      mem = compiled_memory(compiled)
       # FSDP partitions what ZeRO-3 partitions.
       paper = paper_model_state_bytes(psi, n, int(run) if run.isdigit() else 3,
                                       param_bytes=4, grad_bytes=4, k=8)
@@ -483,8 +499,11 @@ def main() -> None:
                                   (args.batch_size, args.seq_len + 1),
                                   dtype=np.int32)}
   psi = param_count(params)
-  dev = jax.devices()[0]
-  where = (f"{len(jax.devices())} simulated CPU devices of one host"
+  dev = (aot.gpu_devices(args.compile, 1) if args.compile else
+         jax.devices())[0]
+  where = (f"{', '.join(map(str, ns))} {dev.device_kind} GPU(s), compiled "
+           "without the GPU (zero_jax.aot)" if args.compile else
+           f"{len(jax.devices())} simulated CPU devices of one host"
            if dev.platform == "cpu" else
            f"{len(jax.devices())} x {dev.device_kind}")
   setup = (f"GPT d_model {config.d_model}, {config.n_layers} layers, "
@@ -507,12 +526,16 @@ def main() -> None:
   # Does GSPMD's traffic follow the activations? Twice the batch, once.
   t = time.perf_counter()
   double = {"tokens": np.concatenate([batch["tokens"]] * 2)}
-  compiled, _ = compile_peer(make_loss_fn(graphdef), tx, params, double, mesh)
-  gspmd_2x = traffic(comm_in_psi(compiled.as_text(), psi, max(ns)))
+  _, text, _ = compile_peer(make_loss_fn(graphdef), tx, params, double,
+                            make_mesh(args, max(ns)))
+  gspmd_2x = traffic(comm_in_psi(text, psi, max(ns)))
   print(f"GSPMD N={max(ns)} at batch {2 * args.batch_size}: compiled in "
         f"{time.perf_counter() - t:4.1f}s")
   print("\n" + text_table(rows))
-  note_lines = notes(rows, params, config, args.batch_size, gspmd_2x)
+  # The notes explain the CPU-compiled programs (checked against their
+  # HLO); a GPU-compiled sweep prints its table alone.
+  note_lines = ([] if args.compile else
+                notes(rows, params, config, args.batch_size, gspmd_2x))
   print()
   for line in note_lines:
     print("- " + line.replace("**", ""))
@@ -528,7 +551,8 @@ def main() -> None:
           f"\n\n`{cmd}`\n\n"
           f"- Measured on {where} (`XLA_FLAGS={os.environ['XLA_FLAGS']}`), "
           f"jax {jax.__version__}: each step is compiled, never run, and "
-          f"the numbers are what XLA's {dev.platform.upper()} backend "
+          f"the numbers are what XLA's "
+          f"{'GPU' if args.compile else dev.platform.upper()} backend "
           f"compiled.\n"
           f"- Model: {setup}.\n"
           f"- state = bytes of the train state's shards on one device "
@@ -546,10 +570,11 @@ def main() -> None:
           f"donated), params and optimizer state sharded like ZeRO-3 "
           f"(`zj.Plan`), collectives left to GSPMD; FSDP also pins "
           f"activations to batch sharding at each block boundary.\n\n"
-          f"{markdown_table(rows)}\n\n## Notes\n\n"
-          f"The explanations were checked against the default run's HLO "
-          f"(`--hlo-dir`) and XLA's buffer assignment; the numbers in them "
-          f"are this run's.\n\n")
+          f"{markdown_table(rows)}\n")
+      if note_lines:
+        f.write("\n## Notes\n\nThe explanations were checked against the "
+                "default run's HLO (`--hlo-dir`) and XLA's buffer "
+                "assignment; the numbers in them are this run's.\n\n")
       f.write("".join(f"- {line}\n" for line in note_lines))
       if args.plot:
         f.write(f"\n![memory and traffic]({os.path.basename(args.plot)})\n")

@@ -32,7 +32,9 @@ def test_scan_layers_outside_an_engine_is_a_scan():
                          remat_names=("hidden",))
     jax.tree.map(np.testing.assert_allclose, got, want)
     grad = jax.grad(_scan_loss)(xs, h0, remat=remat, remat_names=("hidden",))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+    # Rematerialised forwards may fuse (and round) differently: jax 0.12
+    # differs from the plain scan by 1.75e-6 relative.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
                  grad, want_grad)
   with pytest.raises(ValueError, match="unknown remat policy"):
     zj.scan_layers(_layer, h0, xs, remat="everything")

@@ -11,9 +11,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import collectives, layers, loss_scale as _ls
+from zero_jax import _compat, collectives, layers, loss_scale as _ls
 from zero_jax.config import ZeroConfig
-from zero_jax.mesh import DATA, REPLICA, batch_axes
+from zero_jax.mesh import DATA, REPLICA, batch_axes, layout_mesh
 from zero_jax.plan import LeafPlan, Plan, path_str
 
 
@@ -60,12 +60,6 @@ def _on_device(shardings: Any) -> Any:
   """The same shardings in device memory (named, so that a transfer from
   the host is explicit)."""
   return jax.tree.map(lambda sh: sh.with_memory_kind("device"), shardings)
-
-
-def _on_host_compute(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` jitted to run on the host, inside the step."""
-  from jax.experimental.compute_on import compute_on  # pylint: disable=g-import-not-at-top
-  return compute_on("device_host")(jax.jit(fn))
 
 
 class _StepFunction:
@@ -204,7 +198,13 @@ class Engine:
   # ---------------------------------------------------------------- layout
 
   def _sharding(self, spec: P) -> NamedSharding:
-    return NamedSharding(self.mesh, spec)
+    return NamedSharding(layout_mesh(self.mesh), spec)
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """How ``step`` lays out a batch: leading dimension split over the
+    mesh's batch axes."""
+    return self._sharding(self._batch_spec)
 
   @property
   def _batch_spec(self) -> P:
@@ -254,7 +254,6 @@ class Engine:
         compute_params=compute_shardings,
         loss_scale=(jax.tree.map(lambda _: replicated, _ls.init(cfg))
                     if self._scaled else None))
-    self._batch_sharding = self._sharding(self._batch_spec)
     self._jitted = jax.jit(self._train_step, donate_argnums=0,
                            out_shardings=(self.state_shardings, replicated))
 
@@ -274,11 +273,15 @@ class Engine:
     self._build(params)
     sh = self.state_shardings
     if self._master_on_host:
-      # Built on the host, so that no device ever holds the fp32 master
-      # (the largest models fit only because of that).
+      # Placed in host memory first, so that no device ever holds a full
+      # copy; the state is then built from device copies of the shards and
+      # written back to the host by out_shardings. (Not compute_on: XLA
+      # aborts compiling a compute_on'd init for GPUs.)
       placed = jax.device_put(params, sh.params, may_alias=False)
-      return jax.jit(_on_host_compute(self._make_state),
-                     out_shardings=sh)(placed)
+      on_device = _on_device(self._device_params)
+      return jax.jit(
+          lambda p: self._make_state(jax.device_put(p, on_device)),
+          out_shardings=sh)(placed)
     # Straight into the final layout (no device ever holds a full copy of a
     # sharded leaf), and always a copy (may_alias=False): later steps donate
     # the state, and that must never invalidate the caller's arrays.
@@ -367,7 +370,7 @@ class Engine:
         return x
       x = np.asarray(x)
       self._check_batch_dim(x.shape, nproc * x.shape[0] if x.ndim else None)
-      return jax.make_array_from_process_local_data(self._batch_sharding, x)
+      return jax.make_array_from_process_local_data(self.batch_sharding, x)
 
     return jax.tree.map(place, batch)
 
@@ -694,7 +697,7 @@ class Engine:
       grads = jax.device_put(grads, _on_host(shards))
       if finite is not None:
         finite = jax.device_put(finite, _on_host(self._sharding(P())))
-      master, opt_state = _on_host_compute(update)(master, opt_state, grads,
+      master, opt_state = _compat.on_host(update)(master, opt_state, grads,
                                                    finite)
     else:
       master, opt_state = update(master, opt_state, grads, finite)

@@ -11,6 +11,15 @@ Example::
   $ python -m zero_jax.estimate --params 1.3B --devices 8 \\
       --compute-dtype bf16 --layers 24 --hidden 2048 --seq-len 2048 \\
       --micro-batch 4 --heads 16 --vocab 50257
+  $ python -m zero_jax.estimate --compile h100 --devices 8 --stage 3 \\
+      --compute-dtype bf16 --layers 24 --hidden 2048 --heads 16 \\
+      --vocab 50304 --seq-len 1024 --micro-batch 16
+
+``--compile TARGET`` also compiles the reference GPT
+(``zero_jax.models.GPT``, fused attention, AdamW) of that shape for N GPUs
+of the target (``zero_jax.aot``; needs the ``gpu-compile`` extra) and prints
+the compiled step's device peak, host bytes and collectives beside the
+estimate; ``--params`` is then the model's own count.
 
 ``--params`` takes 7.5e9, 1.3B, 125M or 350k. The paper's column uses
 fp16 params and gradients and K = 12 (fp32 master + the optimizer's state)
@@ -27,6 +36,7 @@ import sys
 from typing import Sequence
 
 from zero_jax import memory
+from zero_jax.layers import REMAT_POLICIES
 
 _GIB = 2 ** 30
 _SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -86,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
       "under zero_jax, next to the ZeRO paper's formula.",
       epilog="example: python -m zero_jax.estimate --params 7.5e9 "
       "--devices 64 --stage 3")
-  p.add_argument("--params", type=parse_count, required=True,
-                 help="parameter count Ψ: 7.5e9, 1.3B, 125M, 350k")
+  p.add_argument("--params", type=parse_count, default=None,
+                 help="parameter count Ψ: 7.5e9, 1.3B, 125M, 350k "
+                 "(required unless --compile, which counts the model's)")
   p.add_argument("--devices", type=_positive_int, required=True,
                  help="devices in all")
   p.add_argument("--stage", choices=("0", "1", "2", "3", "all"),
@@ -126,8 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
   act.add_argument("--heads", type=_positive_int, help="attention heads")
   act.add_argument("--vocab", type=_positive_int, default=None,
                    help="vocabulary size (adds the logits)")
-  act.add_argument("--remat", choices=("full", "none"), default="full",
-                   help="per-layer rematerialization (default full)")
+  act.add_argument("--remat", choices=tuple(REMAT_POLICIES), default="full",
+                   help="per-layer rematerialization (default full; the "
+                   "analytic activations know full and none)")
+  comp = p.add_argument_group(
+      "compile (optional): the reference GPT of the shape above, compiled "
+      "for GPUs that need not be present")
+  comp.add_argument("--compile", metavar="TARGET", default=None,
+                    help="GPU to compile for: h100, h200 or a100-80gb "
+                    "(needs: pip install \"zero-jax[gpu-compile]\")")
+  comp.add_argument("--attention", choices=("fused", "einsum"),
+                    default="fused",
+                    help="the GPT's attention (default fused: "
+                    "jax.nn.dot_product_attention)")
   return p
 
 
@@ -155,6 +177,14 @@ def _count(x: float) -> str:
 
 def _stage_report(args: argparse.Namespace, stage: int,
                   activations: float | None) -> list[str]:
+  lines = _analytic_report(args, stage, activations)
+  if args.compile is not None:
+    lines += _compiled_report(args, stage)
+  return lines
+
+
+def _analytic_report(args: argparse.Namespace, stage: int,
+                     activations: float | None) -> list[str]:
   compute = _COMPUTE_DTYPES[args.compute_dtype]
   k = memory.optimizer_state_bytes(args.optimizer, args.k)
   est = memory.estimate_memory(args.params, args.devices, stage,
@@ -197,13 +227,96 @@ def _stage_report(args: argparse.Namespace, stage: int,
   return lines
 
 
+def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
+                hidden: int, heads: int, vocab: int, seq_len: int,
+                micro_batch: int, compute_dtype: str | None = "bfloat16",
+                remat: str = "full", attention: str = "fused",
+                optimizer: str = "adamw", replica: int = 1,
+                offload_optimizer: bool = False,
+                offload_params: bool = False):
+  """Compiles the reference GPT's ZeRO train step for ``devices`` GPUs.
+
+  The model is ``zero_jax.models.GPT`` of the given shape (learned
+  positions, untied head), trained from shapes alone: nothing is
+  materialised.
+
+  Args:
+    target: a GPU of ``zero_jax.aot.TARGETS`` (``"h100"``, ...).
+    devices: number of GPUs.
+    stage: ZeRO stage.
+    layers, hidden, heads, vocab, seq_len: the GPT's shape.
+    micro_batch: sequences per device per step.
+    compute_dtype: ``ZeroConfig.compute_dtype``.
+    remat: ``ZeroConfig.remat``.
+    attention: ``GPTConfig.attention``.
+    optimizer: an optax optimizer without arguments beyond the learning
+      rate (``adamw``, ``adam``, ``sgd``, ``sgd_momentum``, ``lion``,
+      ``adafactor``).
+    replica: replica groups of the mesh.
+    offload_optimizer, offload_params: the ``ZeroConfig`` offload options.
+
+  Returns:
+    ``(engine, compiled)``: the ``Engine`` (its plans say what is sharded)
+    and the ``zero_jax.aot.CompiledStep``.
+  """
+  # Imported here: the analytic estimate needs neither flax nor a compiler.
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from zero_jax import aot  # pylint: disable=g-import-not-at-top
+  from zero_jax.config import ZeroConfig  # pylint: disable=g-import-not-at-top
+  from zero_jax.engine import Engine  # pylint: disable=g-import-not-at-top
+  from zero_jax.models import GPT, GPTConfig, make_loss_fn  # pylint: disable=g-import-not-at-top
+
+  tx = (optax.sgd(1e-4, momentum=0.9) if optimizer == "sgd_momentum" else
+        getattr(optax, optimizer)(1e-4))
+  mesh = aot.gpu_mesh(target, devices, replica=replica)
+  cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, d_model=hidden,
+                  n_layers=layers, n_heads=heads, attention=attention)
+  graphdef, params = nnx.split(
+      nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  config = ZeroConfig(stage=stage, compute_dtype=compute_dtype, remat=remat,
+                      offload_optimizer="host" if offload_optimizer else None,
+                      offload_params="host" if offload_params else None)
+  engine = Engine(make_loss_fn(graphdef), tx, config, mesh)
+  batch = {"tokens": jax.ShapeDtypeStruct((micro_batch * devices,
+                                           seq_len + 1), jnp.int32)}
+  return engine, aot.compile_step(engine, params, batch)
+
+
+def _gib(x: float) -> str:
+  return f"{x / _GIB:.3f}"
+
+
+def _compiled_report(args: argparse.Namespace, stage: int) -> list[str]:
+  _, c = compile_gpt(
+      args.compile, args.devices, stage, layers=args.layers,
+      hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+      seq_len=args.seq_len, micro_batch=args.micro_batch,
+      compute_dtype=_COMPUTE_DTYPES[args.compute_dtype], remat=args.remat,
+      attention=args.attention, optimizer=args.optimizer,
+      replica=args.replica, offload_optimizer=args.offload_optimizer,
+      offload_params=args.offload_params and stage == 3)
+  m = c.memory
+  ops = "; ".join(
+      f"{kind} {dtype} x{d['count']} {_gib(d['bytes'])} GiB"
+      for (kind, dtype), d in sorted(c.collectives.items())) or "none"
+  return [f"  compiled for {args.devices} x {args.compile}: peak "
+          f"{_gib(m.peak)} GiB per device (argument {_gib(m.argument)} + "
+          f"output {_gib(m.output)} + temp {_gib(m.temp)} - alias "
+          f"{_gib(m.alias)}); host (pinned_host) {_gib(m.host)} GiB",
+          f"  compiled collectives per step: {ops}"]
+
+
 def report(args: argparse.Namespace) -> str:
   """The text ``main`` prints for parsed arguments."""
   compute = _COMPUTE_DTYPES[args.compute_dtype]
   k = memory.optimizer_state_bytes(args.optimizer, args.k)
   n = args.devices // args.replica
   activations = None
-  if args.layers is not None:
+  if args.layers is not None and args.remat in ("full", "none"):
     activations = memory.estimate_activations(
         layers=args.layers, hidden=args.hidden, seq_len=args.seq_len,
         micro_batch=args.micro_batch, heads=args.heads,
@@ -226,7 +339,16 @@ def report(args: argparse.Namespace) -> str:
     lines.append("")
   lines.append("zero_jax keeps no gradient buffer between steps; gradients "
                "are counted because they are live at the update.")
-  if activations is None:
+  if args.compile is not None:
+    lines.append(f"compiled: zero_jax.models.GPT ({args.attention} "
+                 f"attention, remat {args.remat}, {args.optimizer}), global "
+                 f"batch {args.micro_batch * args.devices} x {args.seq_len} "
+                 f"tokens, for {args.compile} GPUs (zero_jax.aot); peak = "
+                 "argument + output + temp - alias.")
+  if activations is None and args.layers is not None:
+    lines.append(f"activations: no analytic estimate for remat="
+                 f"{args.remat} (only full and none).")
+  elif activations is None:
     lines.append("activations: pass --layers --hidden --seq-len "
                  "--micro-batch --heads (and --vocab) to estimate them.")
   else:
@@ -260,8 +382,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error("the activation estimate needs all of --layers --hidden "
                  "--seq-len --micro-batch --heads; missing "
                  + " ".join(missing))
+  if args.compile is not None:
+    _check_compile(parser, args)
+  elif args.params is None:
+    parser.error("--params is required (or --compile TARGET with the "
+                 "model's shape, which counts them)")
   print(report(args))
   return 0
+
+
+def _check_compile(parser: argparse.ArgumentParser,
+                   args: argparse.Namespace) -> None:
+  """Validates ``--compile`` and fills ``args.params`` with the GPT's count."""
+  from zero_jax import aot  # pylint: disable=g-import-not-at-top
+  if args.compile not in aot.TARGETS:
+    parser.error(f"unknown --compile target {args.compile!r}; choose one of "
+                 f"{', '.join(sorted(aot.TARGETS))}")
+  if args.layers is None or args.vocab is None:
+    parser.error("--compile builds the reference GPT: pass --layers "
+                 "--hidden --heads --vocab --seq-len --micro-batch")
+  if args.k is not None:
+    parser.error("--compile trains a real optimizer: choose it with "
+                 "--optimizer, not --k")
+  if args.hidden % args.heads:
+    parser.error(f"--hidden {args.hidden} is not divisible by --heads "
+                 f"{args.heads}")
+  try:
+    aot.gpu_devices(args.compile, 1)
+  except ImportError as e:
+    parser.error(str(e))
+  psi = _gpt_param_count(args)
+  if args.params is not None and abs(args.params - psi) > 0.01 * psi:
+    parser.error(f"--params {_count(args.params)} disagrees with the "
+                 f"{_count(psi)} parameters of the GPT given by the shape; "
+                 "leave --params out with --compile")
+  args.params = psi
+
+
+def _gpt_param_count(args: argparse.Namespace) -> int:
+  """Parameters of ``zero_jax.models.GPT`` of the CLI's shape."""
+  d, f, L = args.hidden, 4 * args.hidden, args.layers
+  per_layer = (4 * d +           # two LayerNorms
+               3 * d * d +       # qkv (no bias)
+               d * d + d +       # attention out
+               d * f + f + f * d + d)  # MLP
+  return (L * per_layer + args.vocab * d + args.seq_len * d + 2 * d +
+          d * args.vocab)
 
 
 if __name__ == "__main__":

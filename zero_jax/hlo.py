@@ -135,3 +135,19 @@ def summarize(hlo_text: str) -> dict[str, dict[str, int]]:
     d["elements"] += c.elements * c.executions
     d["bytes"] += c.bytes * c.executions
   return s
+
+
+def summarize_by_dtype(hlo_text: str) -> dict[tuple[str, str], dict[str, int]]:
+  """Per step: {(kind, dtype): {"count", "elements", "bytes"}}, loops
+  unrolled; a tuple collective counts once under each dtype it carries."""
+  s: dict[tuple[str, str], dict[str, int]] = {}
+  for c in collectives(hlo_text):
+    for dtype in sorted(set(c.dtypes)):
+      n = sum(int(np.prod(shape, dtype=np.int64))
+              for shape, dt in zip(c.shapes, c.dtypes) if dt == dtype)
+      d = s.setdefault((c.kind, dtype), {"count": 0, "elements": 0,
+                                         "bytes": 0})
+      d["count"] += c.executions
+      d["elements"] += n * c.executions
+      d["bytes"] += n * _DTYPE_BYTES.get(dtype, 4) * c.executions
+  return s

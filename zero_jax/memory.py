@@ -70,12 +70,16 @@ class CompiledMemory:
     output: bytes of all outputs.
     temp: scratch bytes live during the step.
     alias: bytes of outputs that reuse donated inputs.
+    host: bytes in host memory (``pinned_host``: offloaded arguments,
+      outputs and scratch); not part of ``peak``. Only programs compiled
+      for devices with host memory kinds (GPUs, TPUs) report any.
   """
 
   argument: int
   output: int
   temp: int
   alias: int
+  host: int = 0
 
   @property
   def peak(self) -> int:
@@ -87,10 +91,13 @@ class CompiledMemory:
 def compiled_memory(compiled) -> CompiledMemory:
   """Reads per-device byte counts off a compiled (``.compile()``) function."""
   ma = compiled.memory_analysis()
+  host = lambda name: int(getattr(ma, f"host_{name}_size_in_bytes", 0) or 0)
   return CompiledMemory(argument=int(ma.argument_size_in_bytes),
                         output=int(ma.output_size_in_bytes),
                         temp=int(ma.temp_size_in_bytes),
-                        alias=int(ma.alias_size_in_bytes))
+                        alias=int(ma.alias_size_in_bytes),
+                        host=(host("argument") + host("output") +
+                              host("temp") - host("alias")))
 
 
 def per_device_bytes(tree: Any) -> int:

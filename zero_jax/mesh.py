@@ -14,6 +14,8 @@ from typing import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
+from zero_jax._compat import is_compile_only
+
 DATA = "data"
 REPLICA = "replica"
 
@@ -59,6 +61,20 @@ def make_mesh(num_devices: int | None = None,
                          axis_types=(AxisType.Auto,), devices=devices)
   return jax.make_mesh((replica, len(devices) // replica), (REPLICA, DATA),
                        axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def layout_mesh(mesh: Mesh):
+  """The mesh to build a ``NamedSharding`` on.
+
+  ``mesh`` itself, except for compile-only devices (a GPU described by
+  ``zero_jax.aot``, not present): they have no addressable memories, so a
+  sharding on them silently drops ``memory_kind="pinned_host"``. Their
+  shardings are built on ``mesh.abstract_mesh`` instead, and the step is
+  compiled under ``jax.set_mesh(mesh)``.
+  """
+  if is_compile_only(mesh.devices.flat[0]):
+    return mesh.abstract_mesh
+  return mesh
 
 
 def batch_axes(mesh) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax.mesh import DATA
+from zero_jax.mesh import DATA, layout_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,8 @@ class Plan:
   @property
   def shardings(self) -> Any:
     """NamedShardings of the sharded layout."""
-    return self._map(lambda lp: NamedSharding(self.mesh, lp.spec))
+    mesh = layout_mesh(self.mesh)
+    return self._map(lambda lp: NamedSharding(mesh, lp.spec))
 
   @property
   def replicated_specs(self) -> Any:
