@@ -12,10 +12,15 @@ import importlib.util
 import math
 import os
 
+import jax
+import optax
 import pytest
 
+import zero_jax as zj
+from tests import _models as m
 from zero_jax import aot
 from zero_jax.estimate import compile_gpt, main
+from zero_jax.memory import param_count
 
 if importlib.util.find_spec("jax_cuda12_plugin") is None:
   # A missing backend, never a missing feature: CI sets the variable and
@@ -131,6 +136,48 @@ def test_offloaded_optimizer_state_is_compiled_into_host_memory():
   # because the update holds the whole state on the device. This checks the
   # measurement, not the offload.
   assert abs(c.memory.peak / GIB - 30.7) <= 0.05 * 30.7, c.memory.peak / GIB
+
+
+@pytest.mark.parametrize("offload", [
+    dict(offload_optimizer="host"),
+    dict(offload_optimizer="host", offload_params="host"),
+])
+def test_abstract_state_keeps_memory_kinds_on_compile_only_gpus(offload):
+  # A sharding built on compile-only devices silently drops "pinned_host";
+  # the engine's are built on the abstract mesh, so they keep it, exactly as
+  # on real devices.
+  loss_fn, params, _ = m.gpt_setup(d_model=32, n_layers=2, steps=1)
+  config = zj.ZeroConfig(stage=3, compute_dtype="bfloat16", **offload)
+  kinds = []
+  for mesh in (aot.gpu_mesh("h100", N), zj.make_mesh(num_devices=N)):
+    state = zj.Engine(loss_fn, optax.adam(1e-3), config,
+                      mesh).abstract_state(params)
+    # (None is the default memory: the device's.)
+    kinds.append([x.sharding.memory_kind or "device"
+                  for x in jax.tree.leaves(state)])
+  on_gpus, on_cpus = kinds
+  assert "pinned_host" in on_gpus
+  assert on_gpus == on_cpus
+
+
+def test_offloaded_init_compiles_for_gpus():
+  # A compute_on'd init aborted XLA on an H100; init now builds the state
+  # from device copies of the shards and writes it back to the host.
+  loss_fn, params, _ = m.gpt_setup(d_model=32, n_layers=2, steps=1)
+  mesh = aot.gpu_mesh("h100", N)
+  engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(
+      stage=3, offload_optimizer="host", offload_params="host"), mesh)
+  engine.abstract_state(params)
+  make_state, placement = engine._initializer()  # pylint: disable=protected-access
+  shapes = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      params, placement)
+  with jax.set_mesh(mesh):
+    compiled = make_state.lower(shapes).compile()
+  host = compiled.memory_analysis().host_output_size_in_bytes
+  # The master shard and both Adam moments are written to host memory.
+  assert host >= 12 * (param_count(params) -
+                       engine.param_plan.replicated_elements) // N
 
 
 def test_unknown_target_and_missing_extra_name_the_fix(monkeypatch, capsys):

@@ -12,10 +12,12 @@ scheduler orders the gathers, host offload moves nothing.
 
 Example::
 
-  mesh = zj.aot.gpu_mesh("h100", 8)
+  from zero_jax import aot
+
+  mesh = aot.gpu_mesh("h100", 8)
   engine = zj.Engine(loss_fn, optax.adamw(1e-4), zj.ZeroConfig(stage=3),
                      mesh)
-  report = zj.aot.compile_step(engine, param_shapes, batch_shapes)
+  report = aot.compile_step(engine, param_shapes, batch_shapes)
   print(report.memory.peak / 2**30, report.memory.host)
   report.collectives[("all-gather", "bf16")]["bytes"]
 

@@ -271,22 +271,25 @@ class Engine:
       The initial ``TrainState``.
     """
     self._build(params)
+    make_state, placement = self._initializer()
+    # Always a copy (may_alias=False): later steps donate the state, and that
+    # must never invalidate the caller's arrays.
+    return make_state(jax.device_put(params, placement, may_alias=False))
+
+  def _initializer(self) -> tuple[Callable[[Any], TrainState], Any]:
+    """The jitted function ``init`` runs, and where its argument goes."""
     sh = self.state_shardings
     if self._master_on_host:
       # Placed in host memory first, so that no device ever holds a full
       # copy; the state is then built from device copies of the shards and
       # written back to the host by out_shardings. (Not compute_on: XLA
       # aborts compiling a compute_on'd init for GPUs.)
-      placed = jax.device_put(params, sh.params, may_alias=False)
       on_device = _on_device(self._device_params)
-      return jax.jit(
-          lambda p: self._make_state(jax.device_put(p, on_device)),
-          out_shardings=sh)(placed)
-    # Straight into the final layout (no device ever holds a full copy of a
-    # sharded leaf), and always a copy (may_alias=False): later steps donate
-    # the state, and that must never invalidate the caller's arrays.
-    placed = jax.device_put(params, self._device_params, may_alias=False)
-    return jax.jit(self._make_state, out_shardings=sh)(placed)
+      return jax.jit(lambda p: self._make_state(jax.device_put(p, on_device)),
+                     out_shardings=sh), sh.params
+    # Straight into the final layout: no device ever holds a full copy of a
+    # sharded leaf.
+    return jax.jit(self._make_state, out_shardings=sh), self._device_params
 
   def _make_state(self, params: Any) -> TrainState:
     master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
