@@ -180,6 +180,16 @@ def test_offloaded_init_compiles_for_gpus():
                        engine.param_plan.replicated_elements) // N
 
 
+def test_every_target_describes_its_gpu_and_an_a100_compiles():
+  kinds = {t: aot.gpu_devices(t, 2)[0].device_kind for t in aot.TARGETS}
+  assert kinds == {"h100": "NVIDIA H100 80GB HBM3",
+                   "h200": "NVIDIA H200 141GB HBM3e",
+                   "a100-80gb": "NVIDIA A100-SXM4-80GB"}
+  # Another architecture (sm_80) than the H100s of the other tests.
+  _, c = compile_gpt("a100-80gb", 2, 3, **dict(_TINY, layers=2))
+  assert c.collective_bytes("all-gather") > 0 and c.memory.peak > 0
+
+
 def test_unknown_target_and_missing_extra_name_the_fix(monkeypatch, capsys):
   with pytest.raises(ValueError, match="a100-80gb, h100, h200"):
     aot.gpu_devices("v100")
