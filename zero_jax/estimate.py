@@ -263,20 +263,18 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from zero_jax import aot  # pylint: disable=g-import-not-at-top
   from zero_jax.config import ZeroConfig  # pylint: disable=g-import-not-at-top
   from zero_jax.engine import Engine  # pylint: disable=g-import-not-at-top
-  from zero_jax.models import GPT, GPTConfig, make_loss_fn  # pylint: disable=g-import-not-at-top
+  from zero_jax.models import make_loss_fn  # pylint: disable=g-import-not-at-top
 
   tx = (optax.sgd(1e-4, momentum=0.9) if optimizer == "sgd_momentum" else
         getattr(optax, optimizer)(1e-4))
   mesh = aot.gpu_mesh(target, devices, replica=replica)
-  cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, d_model=hidden,
-                  n_layers=layers, n_heads=heads, attention=attention)
-  graphdef, params = nnx.split(
-      nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  graphdef, params = _gpt_shapes(layers=layers, hidden=hidden, heads=heads,
+                                 vocab=vocab, seq_len=seq_len,
+                                 attention=attention)
   config = ZeroConfig(stage=stage, compute_dtype=compute_dtype, remat=remat,
                       offload_optimizer="host" if offload_optimizer else None,
                       offload_params="host" if offload_params else None)
@@ -284,6 +282,18 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
   batch = {"tokens": jax.ShapeDtypeStruct((micro_batch * devices,
                                            seq_len + 1), jnp.int32)}
   return engine, aot.compile_step(engine, params, batch)
+
+
+def _gpt_shapes(*, layers: int, hidden: int, heads: int, vocab: int,
+                seq_len: int, attention: str = "fused"):
+  """``(graphdef, params)`` of the reference GPT, params as shapes only."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from zero_jax.models import GPT, GPTConfig  # pylint: disable=g-import-not-at-top
+  cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, d_model=hidden,
+                  n_layers=layers, n_heads=heads, attention=attention)
+  return nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))),
+                   nnx.Param)
 
 
 def _gib(x: float) -> str:
@@ -411,24 +421,15 @@ def _check_compile(parser: argparse.ArgumentParser,
     aot.gpu_devices(args.compile, 1)
   except ImportError as e:
     parser.error(str(e))
-  psi = _gpt_param_count(args)
+  _, shapes = _gpt_shapes(layers=args.layers, hidden=args.hidden,
+                          heads=args.heads, vocab=args.vocab,
+                          seq_len=args.seq_len)
+  psi = memory.param_count(shapes)
   if args.params is not None and abs(args.params - psi) > 0.01 * psi:
     parser.error(f"--params {_count(args.params)} disagrees with the "
                  f"{_count(psi)} parameters of the GPT given by the shape; "
                  "leave --params out with --compile")
   args.params = psi
-
-
-def _gpt_param_count(args: argparse.Namespace) -> int:
-  """Parameters of ``zero_jax.models.GPT`` of the CLI's shape."""
-  d, f, L = args.hidden, 4 * args.hidden, args.layers
-  per_layer = (4 * d +           # two LayerNorms
-               3 * d * d +       # qkv (no bias)
-               d * d + d +       # attention out
-               d * f + f + f * d + d)  # MLP
-  return (L * per_layer + args.vocab * d + args.seq_len * d + 2 * d +
-          d * args.vocab)
-
 
 if __name__ == "__main__":
   sys.exit(main())
