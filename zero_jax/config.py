@@ -80,8 +80,13 @@ class ZeroConfig:
       pinned host memory; forward and backward copy each layer's shards to
       the device just before gathering them (inside ``scan_layers``).
     update_on: where the optimizer update runs when state is offloaded:
-      ``"device"`` (the default) streams the offloaded state to the device,
-      updates it there and streams it back; ``"host"`` runs the update on
+      ``"device"`` (the default) streams the offloaded state through the
+      device a slice at a time (a loop over the layer axis of stacked
+      leaves, and rows of other large leaves: ``zero_jax.stream``), so the
+      device holds a few slices of master and moments, never all of them.
+      Exact for updates that keep rows and leaves apart (adam, adamw, lion,
+      sgd, adafactor); a global norm in ``tx`` is an error that names
+      ``clip_grad_norm``. ``"host"`` runs the update on
       the host (``jax.experimental.compute_on``), so the optimizer state
       never occupies device memory. Call ``engine.step`` itself then:
       ahead-of-time compilation (``engine.step.lower(...).compile()``)

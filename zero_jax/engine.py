@@ -11,7 +11,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import _compat, collectives, layers, loss_scale as _ls
+from zero_jax import _compat, collectives, layers, loss_scale as _ls, stream
 from zero_jax.config import ZeroConfig
 from zero_jax.mesh import DATA, REPLICA, batch_axes, layout_mesh
 from zero_jax.plan import LeafPlan, Plan, path_str
@@ -254,6 +254,17 @@ class Engine:
         compute_params=compute_shardings,
         loss_scale=(jax.tree.map(lambda _: replicated, _ls.init(cfg))
                     if self._scaled else None))
+    # Offloaded state with the update on the device: streamed slice by
+    # slice (zero_jax.stream), never copied to the device whole.
+    self._streamer = None
+    if ((cfg.offload_optimizer == "host" or cfg.offload_params)
+        and cfg.update_on == "device"):
+      leaves = lambda plan: jax.tree.leaves(
+          plan.leaves, is_leaf=lambda x: isinstance(x, LeafPlan))
+      self._streamer = stream.Streamer(self.tx, master,
+                                       leaves(self.param_plan),
+                                       leaves(self.opt_plan), self.n,
+                                       stream.SLICE_BYTES)
     self._jitted = jax.jit(self._train_step, donate_argnums=0,
                            out_shardings=(self.state_shardings, replicated))
 
@@ -271,14 +282,46 @@ class Engine:
       The initial ``TrainState``.
     """
     self._build(params)
-    make_state, placement = self._initializer()
+    make_state, args = self._initializer(params)
     # Always a copy (may_alias=False): later steps donate the state, and that
     # must never invalidate the caller's arrays.
-    return make_state(jax.device_put(params, placement, may_alias=False))
+    placed = jax.device_put(params, jax.tree.map(lambda a: a.sharding,
+                                                 args[0]), may_alias=False)
+    # Buffers the streamed init writes into, made where they live: zeros in
+    # host memory come from numpy, shard by shard, never through a device.
+    zeros = lambda a: None if a is None else jax.make_array_from_callback(
+        a.shape, a.sharding, lambda idx: np.zeros(
+            a.sharding.shard_shape(a.shape), a.dtype))
+    buffers = jax.tree.map(zeros, args[1:], is_leaf=lambda a: a is None)
+    return make_state(placed, *buffers)
 
-  def _initializer(self) -> tuple[Callable[[Any], TrainState], Any]:
-    """The jitted function ``init`` runs, and where its argument goes."""
+  def _initializer(self, params: Any) -> tuple[Callable[..., TrainState],
+                                               tuple]:
+    """The jitted function ``init`` runs, and its arguments as
+    ``jax.ShapeDtypeStruct`` trees with shardings: the placed parameters,
+    then (streamed init) host buffers for the master and optimizer state
+    (None where the buffer is made on the device or not needed)."""
     sh = self.state_shardings
+    sds = lambda x, s, dt=None: jax.ShapeDtypeStruct(x.shape, dt or x.dtype,
+                                                     sharding=s)
+    if self._streamer is not None:
+      host = lambda s: s.memory_kind == "pinned_host"
+      where = (_on_host(self.param_plan.shardings) if self._master_on_host
+               else self.param_plan.shardings)
+      placed = jax.tree.map(sds, params, where)
+      master = [sds(x, s, jnp.float32) if host(s) and x.dtype != jnp.float32
+                else None for x, s in zip(jax.tree.leaves(params),
+                                          jax.tree.leaves(where))]
+      opt = jax.eval_shape(self.tx.init, jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params))
+      opt = [sds(x, s) if host(s) else None for x, s in
+             zip(jax.tree.leaves(opt), jax.tree.leaves(sh.opt_state))]
+      # (The placed copy is ours; it becomes the master where the layouts
+      # agree: stage 3, or stages 1-2 with a compute copy.)
+      donate = (0, 1, 2) if (self.config.stage == 3 or
+                             self._keep_compute) else (1, 2)
+      return jax.jit(self._streamed_make_state, out_shardings=sh,
+                     donate_argnums=donate), (placed, master, opt)
     if self._master_on_host:
       # Placed in host memory first, so that no device ever holds a full
       # copy; the state is then built from device copies of the shards and
@@ -286,10 +329,46 @@ class Engine:
       # aborts compiling a compute_on'd init for GPUs.)
       on_device = _on_device(self._device_params)
       return jax.jit(lambda p: self._make_state(jax.device_put(p, on_device)),
-                     out_shardings=sh), sh.params
+                     out_shardings=sh), (jax.tree.map(sds, params, sh.params),)
     # Straight into the final layout: no device ever holds a full copy of a
     # sharded leaf.
-    return jax.jit(self._make_state, out_shardings=sh), self._device_params
+    return (jax.jit(self._make_state, out_shardings=sh),
+            (jax.tree.map(sds, params, self._device_params),))
+
+  def _streamed_make_state(self, params: Any, master: list,
+                           opt: list) -> TrainState:
+    """The initial state, built slice by slice (``zero_jax.stream``)."""
+    cd = self._cd if (self._keep_compute or self._shard_compute) else None
+    flat = jax.tree.leaves(params)
+    shards = jax.tree.leaves(self.param_plan.shardings)
+    device_zeros = lambda shape, dtype, s: jax.lax.with_sharding_constraint(
+        jnp.zeros(shape, dtype), s)
+    master = [p if p.dtype == jnp.float32 else
+              b if b is not None else device_zeros(p.shape, jnp.float32, s)
+              for p, b, s in zip(flat, master, shards)]
+    opt_shapes = jax.tree.leaves(jax.eval_shape(self.tx.init, master))
+    opt = [b if b is not None else device_zeros(x.shape, x.dtype, s)
+           for b, x, s in zip(opt, opt_shapes,
+                              jax.tree.leaves(self._device_opt))]
+    compute = (None if cd is None else
+               [device_zeros(p.shape, cd, s) for p, s in zip(flat, shards)])
+    master, opt_state, compute = self._streamer.init(
+        flat, master, opt, master_on_host=self._master_on_host,
+        opt_on_host=self.config.offload_optimizer == "host",
+        compute_dtype=cd, compute=compute)
+    compute_params = None
+    if compute is not None:
+      compute_params = jax.tree.unflatten(jax.tree.structure(master), compute)
+      if self._keep_compute:
+        compute_params = self._gather_replicated(compute_params)
+    elif self.config.stage in (1, 2):
+      master = self._gather_replicated(master)  # fp32: the master replicated
+    return TrainState(step=jnp.zeros((), jnp.int32), params=master,
+                      opt_state=opt_state,
+                      rng=jax.random.PRNGKey(self.config.seed),
+                      compute_params=compute_params,
+                      loss_scale=(_ls.init(self.config) if self._scaled
+                                  else None))
 
   def _make_state(self, params: Any) -> TrainState:
     master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
@@ -422,6 +501,10 @@ class Engine:
                    "forward, refreshed after each update")
     if cfg.update_on == "host":
       lines.append("the optimizer update runs on the host")
+    if self._streamer is not None:
+      lines.append("the update streams offloaded state through the device "
+                   "slice by slice (leaves cut along their first axis):")
+      lines.extend(self._streamer.describe())
     if self._scaled:
       lines.append("float16 loss scaling: " + (
           f"static {cfg.loss_scale}" if cfg.loss_scale else
@@ -634,33 +717,42 @@ class Engine:
         check_vma=False)
     return fn(tree)
 
-  def _train_step(self, state: TrainState, batch: Any):
-    for x in jax.tree.leaves(batch):
-      self._check_batch_dim(x.shape, x.shape[0] if x.ndim else None)
-    cfg = self.config
-    stage = cfg.stage
-    rng = jax.random.fold_in(state.rng, state.step)
-    scale = state.loss_scale.scale if self._scaled else None
-    grads, loss, aux = self._loss_and_grads(state.params, state.compute_params,
-                                            batch, rng, scale)
-    if scale is not None:
-      grads = jax.tree.map(lambda g: g / scale, grads)
-    # Outside shard_map the gradients are global (sharded) arrays, so the
-    # norm is over the whole model, exactly; XLA inserts the reduction.
-    norm = optax.tree.norm(grads)
-    if cfg.clip_grad_norm is not None:
-      c = cfg.clip_grad_norm
-      # optax.clip_by_global_norm's formula, on the norm already computed.
-      grads = jax.tree.map(
-          lambda g: jnp.where(norm < c, g, g / norm.astype(g.dtype) * c),
-          grads)
-    # The update runs on sharded arrays (stage 0: replicated), on the device,
-    # or with update_on="host" on the host. Offloaded state is streamed to
-    # where the update runs; out_shardings put it back.
-    on_host = cfg.update_on == "host"
+  def _streamed_update(self, state, grads, shards, finite):
+    """The update with offloaded state, slice by slice (zero_jax.stream).
+
+    Returns the new master and optimizer state where they live, and the
+    new master (cast to the compute dtype where forward reads a separate
+    copy) in device memory, built slice by slice.
+    """
+    cd = self._cd if (self._keep_compute or self._shard_compute) else None
+    master = state.params
+    if not self._master_on_host:
+      # (Stages 1-2 with fp32 compute: slicing the replicated master to its
+      # shard is local, no communication.)
+      master = jax.device_put(master, shards)
+    compute = None
+    if self._shard_compute:
+      compute = jax.tree.leaves(state.compute_params)
+    elif cd is not None:
+      compute = [jax.lax.with_sharding_constraint(jnp.zeros(x.shape, cd), sh)
+                 for x, sh in zip(jax.tree.leaves(master),
+                                  jax.tree.leaves(shards))]
+    master, opt_state, compute = self._streamer.update(
+        grads, state.opt_state, master, finite=finite,
+        master_on_host=self._master_on_host,
+        opt_on_host=self.config.offload_optimizer == "host",
+        compute_dtype=cd, compute=compute)
+    device_master = (master if cd is None and not self._master_on_host
+                     else None)
+    if compute is not None:
+      device_master = jax.tree.unflatten(jax.tree.structure(master), compute)
+    return master, opt_state, device_master
+
+  def _whole_update(self, state, grads, shards, finite):
+    """The update on whole (sharded) arrays: on the device, or with
+    update_on="host" on the host, where offloaded state is copied whole."""
+    on_host = self.config.update_on == "host"
     where = _on_host if on_host else _on_device
-    shards = (self._device_params if stage == 0 else
-              self.param_plan.shardings)
     # (Stages 1-2 with fp32 compute: slicing the replicated master to its
     # shard is local, no communication.)
     master = jax.device_put(state.params, where(shards))
@@ -681,6 +773,35 @@ class Engine:
       return jax.lax.cond(finite, apply, lambda m, o: (m, o), master,
                           opt_state)
 
+    if not on_host:
+      return update(master, opt_state, grads, finite)
+    grads = jax.device_put(grads, _on_host(shards))
+    if finite is not None:
+      finite = jax.device_put(finite, _on_host(self._sharding(P())))
+    return _compat.on_host(update)(master, opt_state, grads, finite)
+
+  def _train_step(self, state: TrainState, batch: Any):
+    for x in jax.tree.leaves(batch):
+      self._check_batch_dim(x.shape, x.shape[0] if x.ndim else None)
+    cfg = self.config
+    stage = cfg.stage
+    rng = jax.random.fold_in(state.rng, state.step)
+    scale = state.loss_scale.scale if self._scaled else None
+    grads, loss, aux = self._loss_and_grads(state.params, state.compute_params,
+                                            batch, rng, scale)
+    if scale is not None:
+      grads = jax.tree.map(lambda g: g / scale, grads)
+    # Outside shard_map the gradients are global (sharded) arrays, so the
+    # norm is over the whole model, exactly; XLA inserts the reduction.
+    norm = optax.tree.norm(grads)
+    if cfg.clip_grad_norm is not None:
+      c = cfg.clip_grad_norm
+      # optax.clip_by_global_norm's formula, on the norm already computed.
+      grads = jax.tree.map(
+          lambda g: jnp.where(norm < c, g, g / norm.astype(g.dtype) * c),
+          grads)
+    shards = (self._device_params if stage == 0 else
+              self.param_plan.shardings)
     metrics = {"loss": loss, "grad_norm": norm}
     loss_scale = state.loss_scale
     applied = state.step
@@ -696,28 +817,24 @@ class Engine:
       metrics.update(loss_scale=scale, skipped=jnp.logical_not(finite),
                      skipped_steps=loss_scale.skipped,
                      overflow_at_min_scale=at_min)
-    if on_host:
-      grads = jax.device_put(grads, _on_host(shards))
-      if finite is not None:
-        finite = jax.device_put(finite, _on_host(self._sharding(P())))
-      master, opt_state = _compat.on_host(update)(master, opt_state, grads,
-                                                   finite)
+    if self._streamer is not None:
+      master, opt_state, device_master = self._streamed_update(
+          state, grads, shards, finite)
     else:
-      master, opt_state = update(master, opt_state, grads, finite)
+      master, opt_state = self._whole_update(state, grads, shards, finite)
+      device_master = (jax.device_put(master, _on_device(shards))
+                       if cfg.update_on == "host" else master)
     if self.lr_schedule is not None:
       # The rate of this update: optax's count is the updates applied before.
       metrics["learning_rate"] = self.lr_schedule(applied)
     compute_params = None
-    if stage in (1, 2) or self._shard_compute:
-      # The compute copy is refreshed from the new master, on the device.
-      device_master = (jax.device_put(master, _on_device(shards)) if on_host
-                       else master)
-      if self._keep_compute:
-        compute_params = self._gather_replicated(device_master, self._cd)
-      elif self._shard_compute:
-        compute_params = self._compute_copy(device_master)
-      else:
-        master = self._gather_replicated(device_master)
+    # The compute copy is refreshed from the new master, on the device.
+    if self._keep_compute:
+      compute_params = self._gather_replicated(device_master, self._cd)
+    elif self._shard_compute:
+      compute_params = self._compute_copy(device_master)
+    elif stage in (1, 2):
+      master = self._gather_replicated(device_master)
     new_state = TrainState(step=state.step + 1, params=master,
                            opt_state=opt_state, rng=state.rng,
                            compute_params=compute_params,

@@ -1,0 +1,104 @@
+"""How large a GPT fits on one GPU with each offload option: a capacity
+ladder of steps compiled for the GPU (``zero_jax.aot``; no GPU needed).
+
+For each GPT of the ladder (vocabulary 50304, sequence 1024, bf16 compute,
+fp32 AdamW, stage 3, remat full, ``--batch`` sequences) the train step and
+the init are compiled for one GPU with no offload, ``offload_optimizer``,
+and both offloads. The table gives the device peak of the step (argument +
+output + temp - alias), the init's, and the pinned host memory; a model
+*fits* when both peaks are under ``--limit`` GiB::
+
+  PYTHONPATH=. python experiments/offload_capacity.py
+  PYTHONPATH=. python experiments/offload_capacity.py --target h200 \\
+      --limit 135 --out /tmp/capacity.md
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+
+from zero_jax import aot
+from zero_jax.estimate import _gpt_shapes, compile_gpt  # pylint: disable=protected-access
+
+GIB = 2 ** 30
+# (name, layers, hidden, heads): GPT-3's sizes (arXiv:2005.14165, table 2.1).
+LADDER = [("1.3B", 24, 2048, 16), ("2.7B", 32, 2560, 32),
+          ("6.7B", 32, 4096, 32), ("13B", 40, 5120, 40),
+          ("20B", 44, 6144, 48)]
+MODES = [("no offload", {}),
+         ("offload_optimizer", dict(offload_optimizer=True)),
+         ("both offloads", dict(offload_optimizer=True,
+                                offload_params=True))]
+
+
+def init_peak(engine, params_shapes) -> float:
+  """Device peak of the engine's init, compiled (GiB)."""
+  make_state, args = engine._initializer(params_shapes)  # pylint: disable=protected-access
+  with jax.set_mesh(engine.mesh):
+    ma = make_state.lower(*args).compile().memory_analysis()
+  return (ma.argument_size_in_bytes + ma.output_size_in_bytes +
+          ma.temp_size_in_bytes - ma.alias_size_in_bytes) / GIB
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--target", default="h100", choices=sorted(aot.TARGETS))
+  p.add_argument("--limit", type=float, default=76.0,
+                 help="GiB a step and init may use (default 76, an H100's "
+                 "80 GiB less what CUDA and XLA keep)")
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--sizes", default=",".join(n for n, *_ in LADDER))
+  p.add_argument("--out", default=os.path.join(
+      os.path.dirname(__file__), "results", "offload_capacity_{target}.md"))
+  args = p.parse_args(argv)
+  sizes = args.sizes.split(",")
+  rows, largest = [], {}
+  for name, layers, hidden, heads in LADDER:
+    if name not in sizes:
+      continue
+    for mode, kw in MODES:
+      t = time.time()
+      engine, c = compile_gpt(args.target, 1, 3, layers=layers,
+                              hidden=hidden, heads=heads, vocab=50304,
+                              seq_len=1024, micro_batch=args.batch, **kw)
+      _, shapes = _gpt_shapes(layers=layers, hidden=hidden, heads=heads,
+                              vocab=50304, seq_len=1024)
+      init = init_peak(engine, shapes)
+      step = c.memory.peak / GIB
+      fits = max(step, init) <= args.limit
+      if fits:
+        largest[mode] = (name, c.params)
+      rows.append((name, c.params, mode, step, init, c.memory.host / GIB,
+                   fits))
+      print(f"{name:>5} {mode:<18} step {step:7.2f} GiB  init {init:7.2f} "
+            f"GiB  host {c.memory.host / GIB:7.2f} GiB  "
+            f"{'fits' if fits else 'does not fit'}  ({time.time() - t:.0f} s)",
+            flush=True)
+  lines = [f"Capacity on one {args.target} (compiled, limit {args.limit:g} "
+           f"GiB): GPT, vocabulary 50304, sequence 1024, batch "
+           f"{args.batch}, bf16, fp32 AdamW, stage 3, remat full.",
+           "",
+           "| GPT | params | offload | step peak GiB | init peak GiB | "
+           "host GiB | fits |",
+           "|---|---|---|---|---|---|---|"]
+  for name, n, mode, step, init, host, fits in rows:
+    lines.append(f"| {name} | {n / 1e9:.2f}B | {mode} | {step:.2f} | "
+                 f"{init:.2f} | {host:.2f} | {'yes' if fits else 'no'} |")
+  lines.append("")
+  for mode, _ in MODES:
+    name, n = largest.get(mode, ("none", 0))
+    lines.append(f"- largest with {mode}: {name} ({n / 1e9:.2f}B parameters)")
+  text = "\n".join(lines) + "\n"
+  print(text)
+  out = args.out.format(target=args.target)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w") as f:
+    f.write(text)
+  print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()
