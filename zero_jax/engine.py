@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zero_jax import _compat, collectives, layers, loss_scale as _ls, stream
 from zero_jax.config import ZeroConfig
 from zero_jax.mesh import DATA, REPLICA, batch_axes, layout_mesh
+from zero_jax.placement import Placement
 from zero_jax.plan import LeafPlan, Plan, path_str
 
 
@@ -167,29 +168,12 @@ class Engine:
     self.replica = dict(mesh.shape).get(REPLICA, 1)
     self.axes = batch_axes(mesh)
     self.num_devices = self.n * self.replica
-    cd = config.compute_dtype
-    self._cd = None if cd in (None, "float32") else jnp.dtype(cd)
-    rd = config.reduce_dtype
-    # Gradients are summed in fp32 unless asked otherwise (see ZeroConfig).
-    self._rd = (jnp.dtype(rd) if rd is not None else
-                jnp.dtype(jnp.float32) if self._cd is not None else None)
-    # Stages 1-2 with low-precision compute keep a replicated compute copy
-    # next to the sharded fp32 master (the paper's layout).
-    self._keep_compute = config.stage in (1, 2) and self._cd is not None
-    # Offload: the fp32 master goes to host memory wherever forward does not
-    # read it (it reads the compute copy), or at stage 3 with offload_params
-    # (forward copies each layer's shards to the device as it gathers them).
-    offload_opt = config.offload_optimizer == "host"
-    self._shard_compute = (config.stage == 3 and self._cd is not None
-                           and offload_opt and not config.offload_params)
-    self._master_on_host = bool(
-        config.offload_params or
-        (offload_opt and (self._keep_compute or self._shard_compute)))
+    # Where master, moments and the compute copy live, and where the
+    # update runs: decided once (zero_jax.placement).
+    self.placement = Placement.of(config)
     self.lr_schedule = lr_schedule
     (self.train_batch_size, self.micro_batch_size,
      self.grad_accum_steps) = config.batch_sizes(self.num_devices)
-    # Loss scaling: float16 only (bfloat16 has float32's range).
-    self._scaled = config.compute_dtype == "float16"
     self._jitted = None
     self.step = _StepFunction(self)
     self.param_plan: Plan | None = None
@@ -211,6 +195,7 @@ class Engine:
     return P(self.axes if len(self.axes) > 1 else DATA)
 
   def _build(self, params: Any) -> None:
+    pl = self.placement
     cfg = self.config
     self._treedef = jax.tree.structure(params)
     self._dtypes = [jnp.dtype(x.dtype) for x in jax.tree.leaves(params)]
@@ -228,37 +213,30 @@ class Engine:
     self.opt_plan = Plan(opt_shapes, self.mesh, cfg.stage,
                          cfg.min_shard_elements)
     replicated_tree = jax.tree.map(lambda _: self._sharding(P()), master)
-    # Stages 1-2 with fp32 compute keep the compute copy replicated: it is
-    # the master.
-    if cfg.stage == 0 or (cfg.stage in (1, 2) and not self._keep_compute):
-      param_shardings = replicated_tree
-    else:
-      param_shardings = self.param_plan.shardings
+    param_shardings = (self.param_plan.shardings if pl.master_sharded else
+                       replicated_tree)
     # Where each part of the state lives in device memory (for the update).
     self._device_params = param_shardings
     self._device_opt = self.opt_plan.shardings
     replicated = self._sharding(P())
     opt_shardings = self.opt_plan.shardings
-    if cfg.offload_optimizer == "host":
-      # Between steps the optimizer state lives in host memory; the step
-      # streams it to the device and back (see _train_step).
+    if pl.opt_on_host:
       opt_shardings = _on_host(opt_shardings)
-    if self._master_on_host:
+    if pl.master_on_host:
       param_shardings = _on_host(param_shardings)
-    compute_shardings = (replicated_tree if self._keep_compute else
-                         self.param_plan.shardings if self._shard_compute
-                         else None)
+    compute_shardings = {"replicated": replicated_tree,
+                         "sharded": self.param_plan.shardings,
+                         None: None}[pl.compute_copy]
     self.state_shardings = TrainState(
         step=replicated, params=param_shardings,
         opt_state=opt_shardings, rng=replicated,
         compute_params=compute_shardings,
         loss_scale=(jax.tree.map(lambda _: replicated, _ls.init(cfg))
-                    if self._scaled else None))
+                    if pl.loss_scaling else None))
     # Offloaded state with the update on the device: streamed slice by
     # slice (zero_jax.stream), never copied to the device whole.
     self._streamer = None
-    if ((cfg.offload_optimizer == "host" or cfg.offload_params)
-        and cfg.update_on == "device"):
+    if pl.update == "streamed":
       leaves = lambda plan: jax.tree.leaves(
           plan.leaves, is_leaf=lambda x: isinstance(x, LeafPlan))
       self._streamer = stream.Streamer(self.tx, master,
@@ -301,12 +279,13 @@ class Engine:
     ``jax.ShapeDtypeStruct`` trees with shardings: the placed parameters,
     then (streamed init) host buffers for the master and optimizer state
     (None where the buffer is made on the device or not needed)."""
+    pl = self.placement
     sh = self.state_shardings
     sds = lambda x, s, dt=None: jax.ShapeDtypeStruct(x.shape, dt or x.dtype,
                                                      sharding=s)
     if self._streamer is not None:
       host = lambda s: s.memory_kind == "pinned_host"
-      where = (_on_host(self.param_plan.shardings) if self._master_on_host
+      where = (_on_host(self.param_plan.shardings) if pl.master_on_host
                else self.param_plan.shardings)
       placed = jax.tree.map(sds, params, where)
       master = [sds(x, s, jnp.float32) if host(s) and x.dtype != jnp.float32
@@ -318,11 +297,10 @@ class Engine:
              zip(jax.tree.leaves(opt), jax.tree.leaves(sh.opt_state))]
       # (The placed copy is ours; it becomes the master where the layouts
       # agree: stage 3, or stages 1-2 with a compute copy.)
-      donate = (0, 1, 2) if (self.config.stage == 3 or
-                             self._keep_compute) else (1, 2)
+      donate = (0, 1, 2) if pl.master_sharded else (1, 2)
       return jax.jit(self._streamed_make_state, out_shardings=sh,
                      donate_argnums=donate), (placed, master, opt)
-    if self._master_on_host:
+    if pl.master_on_host:
       # Placed in host memory first, so that no device ever holds a full
       # copy; the state is then built from device copies of the shards and
       # written back to the host by out_shardings. (Not compute_on: XLA
@@ -338,7 +316,8 @@ class Engine:
   def _streamed_make_state(self, params: Any, master: list,
                            opt: list) -> TrainState:
     """The initial state, built slice by slice (``zero_jax.stream``)."""
-    cd = self._cd if (self._keep_compute or self._shard_compute) else None
+    pl = self.placement
+    cd = pl.compute_dtype if pl.compute_copy else None
     flat = jax.tree.leaves(params)
     shards = jax.tree.leaves(self.param_plan.shardings)
     device_zeros = lambda shape, dtype, s: jax.lax.with_sharding_constraint(
@@ -353,13 +332,13 @@ class Engine:
     compute = (None if cd is None else
                [device_zeros(p.shape, cd, s) for p, s in zip(flat, shards)])
     master, opt_state, compute = self._streamer.init(
-        flat, master, opt, master_on_host=self._master_on_host,
-        opt_on_host=self.config.offload_optimizer == "host",
+        flat, master, opt, master_on_host=pl.master_on_host,
+        opt_on_host=pl.opt_on_host,
         compute_dtype=cd, compute=compute)
     compute_params = None
     if compute is not None:
       compute_params = jax.tree.unflatten(jax.tree.structure(master), compute)
-      if self._keep_compute:
+      if pl.compute_copy == "replicated":
         compute_params = self._gather_replicated(compute_params)
     elif self.config.stage in (1, 2):
       master = self._gather_replicated(master)  # fp32: the master replicated
@@ -367,23 +346,25 @@ class Engine:
                       opt_state=opt_state,
                       rng=jax.random.PRNGKey(self.config.seed),
                       compute_params=compute_params,
-                      loss_scale=(_ls.init(self.config) if self._scaled
+                      loss_scale=(_ls.init(self.config) if pl.loss_scaling
                                   else None))
 
   def _make_state(self, params: Any) -> TrainState:
+    pl = self.placement
     master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=master,
                       opt_state=self.tx.init(master),
                       rng=jax.random.PRNGKey(self.config.seed),
                       compute_params=self._compute_copy(master),
-                      loss_scale=(_ls.init(self.config) if self._scaled
+                      loss_scale=(_ls.init(self.config) if pl.loss_scaling
                                   else None))
 
   def _compute_copy(self, master: Any) -> Any:
     """The compute-dtype copy forward reads, where it is a separate copy."""
-    if not (self._keep_compute or self._shard_compute):
+    pl = self.placement
+    if not pl.compute_copy:
       return None
-    return jax.tree.map(lambda x: x.astype(self._cd), master)
+    return jax.tree.map(lambda x: x.astype(pl.compute_dtype), master)
 
   def abstract_state(self, params: Any) -> TrainState:
     """The ``TrainState`` that ``init(params)`` would build, as
@@ -406,6 +387,7 @@ class Engine:
     """Fills in what a checkpoint does not store: the compute copy (a cast
     of the master) and, for float16, a loss scale if the checkpoint had
     none."""
+    pl = self.placement
     sh = self.state_shardings
     compute = loss_scale = None
     if sh.compute_params is not None:
@@ -414,7 +396,7 @@ class Engine:
         return self._compute_copy(
             jax.device_put(master, _on_device(self.param_plan.shardings)))
       compute = jax.jit(cast, out_shardings=sh.compute_params)(state.params)
-    if self._scaled:
+    if pl.loss_scaling:
       loss_scale = state.loss_scale
       if loss_scale is None:
         loss_scale = jax.jit(lambda: _ls.init(self.config),
@@ -458,6 +440,7 @@ class Engine:
 
   def describe(self) -> str:
     """A table of every parameter: shape, and where it lives per device."""
+    pl = self.placement
     if self.param_plan is None:
       raise RuntimeError("call engine.init(params) before engine.describe()")
     n = self.n
@@ -481,31 +464,11 @@ class Engine:
                  f"parameter leaves replicated: {replicated or 'none'}")
     lines.append(f"optimizer state: {len(self.opt_plan.rows())} leaves, "
                  f"{n_rep} replicated (scalars, small or indivisible)")
-    if self._keep_compute:
-      lines.append(f"stages 1-2: fp32 master sharded, a replicated {dtype} "
-                   "copy for compute, all-gathered after each update")
-    elif self.config.stage in (1, 2):
-      lines.append("stages 1-2: parameters replicated for compute; each "
-                   "device updates only its shard")
-    cfg = self.config
-    if cfg.offload_optimizer == "host":
-      lines.append("optimizer state offloaded to pinned host memory between "
-                   "steps")
-    if self._master_on_host:
-      lines.append("fp32 master parameters offloaded to pinned host memory" +
-                   (", copied to the device layer by layer in forward and "
-                    "backward" if cfg.offload_params else
-                    "; forward reads a device copy in " + str(self._cd)))
-    if self._shard_compute:
-      lines.append(f"stage 3: a sharded {self._cd} copy on the device for "
-                   "forward, refreshed after each update")
-    if cfg.update_on == "host":
-      lines.append("the optimizer update runs on the host")
+    lines.extend(pl.describe())
     if self._streamer is not None:
-      lines.append("the update streams offloaded state through the device "
-                   "slice by slice (leaves cut along their first axis):")
       lines.extend(self._streamer.describe())
-    if self._scaled:
+    cfg = self.config
+    if pl.loss_scaling:
       lines.append("float16 loss scaling: " + (
           f"static {cfg.loss_scale}" if cfg.loss_scale else
           f"dynamic from 2**{cfg.initial_scale_power}, window "
@@ -554,8 +517,10 @@ class Engine:
     the global batch and every micro-batch, and multiplied by ``scale`` (the
     loss scale, or None).
     """
+    pl = self.placement
     cfg = self.config
-    stage, axes, cd, rd = cfg.stage, self.axes, self._cd, self._rd
+    stage, axes = cfg.stage, self.axes
+    cd, rd = pl.compute_dtype, pl.reduce_dtype
     accum = self.grad_accum_steps
     plans = self.param_plan.leaves
     is_plan = lambda x: isinstance(x, LeafPlan)
@@ -574,16 +539,14 @@ class Engine:
     # Stage 3 gathers from something other than the fp32 master shards when
     # the master is offloaded: the sharded compute copy, or (offload_params)
     # the master in host memory, copied to the device layer by layer.
-    gather_from = stage == 3 and (self._shard_compute or
-                                  bool(cfg.offload_params))
-    to_device = bool(cfg.offload_params)
+    gather_from = pl.gather_from in ("compute", "host_master")
+    to_device = pl.gather_from == "host_master"
     on_device = ((lambda x: jax.device_put(x, jax.memory.Space.Device))
-                 if self._master_on_host else (lambda x: x))
+                 if pl.master_on_host else (lambda x: x))
 
     def local(params, compute_params, batch, rng, scale):
-      source = compute_params if self._keep_compute else params
-      if stage == 3 and self._shard_compute:
-        source = compute_params
+      # Forward reads the compute copy wherever there is one.
+      source = compute_params if pl.compute_copy else params
 
       def loss_of(full, batch, key):
         args = (full, batch, key) if self.with_rng else (full, batch)
@@ -686,10 +649,9 @@ class Engine:
       return g, loss, aux
 
     replicated = self.param_plan.replicated_specs
-    sharded_master = stage == 3 or self._keep_compute
-    in_params = self.param_plan.specs if sharded_master else replicated
-    in_compute = (replicated if self._keep_compute else
-                  self.param_plan.specs if self._shard_compute else None)
+    in_params = self.param_plan.specs if pl.master_sharded else replicated
+    in_compute = {"replicated": replicated, "sharded": self.param_plan.specs,
+                  None: None}[pl.compute_copy]
     grad_specs = replicated if stage == 0 else self.param_plan.specs
     fn = jax.shard_map(local, mesh=self.mesh,
                        in_specs=(in_params, in_compute, self._batch_spec, P(),
@@ -724,14 +686,15 @@ class Engine:
     new master (cast to the compute dtype where forward reads a separate
     copy) in device memory, built slice by slice.
     """
-    cd = self._cd if (self._keep_compute or self._shard_compute) else None
+    pl = self.placement
+    cd = pl.compute_dtype if pl.compute_copy else None
     master = state.params
-    if not self._master_on_host:
+    if not pl.master_on_host:
       # (Stages 1-2 with fp32 compute: slicing the replicated master to its
       # shard is local, no communication.)
       master = jax.device_put(master, shards)
     compute = None
-    if self._shard_compute:
+    if pl.compute_copy == "sharded":
       compute = jax.tree.leaves(state.compute_params)
     elif cd is not None:
       compute = [jax.lax.with_sharding_constraint(jnp.zeros(x.shape, cd), sh)
@@ -739,10 +702,10 @@ class Engine:
                                   jax.tree.leaves(shards))]
     master, opt_state, compute = self._streamer.update(
         grads, state.opt_state, master, finite=finite,
-        master_on_host=self._master_on_host,
-        opt_on_host=self.config.offload_optimizer == "host",
+        master_on_host=pl.master_on_host,
+        opt_on_host=pl.opt_on_host,
         compute_dtype=cd, compute=compute)
-    device_master = (master if cd is None and not self._master_on_host
+    device_master = (master if cd is None and not pl.master_on_host
                      else None)
     if compute is not None:
       device_master = jax.tree.unflatten(jax.tree.structure(master), compute)
@@ -751,7 +714,7 @@ class Engine:
   def _whole_update(self, state, grads, shards, finite):
     """The update on whole (sharded) arrays: on the device, or with
     update_on="host" on the host, where offloaded state is copied whole."""
-    on_host = self.config.update_on == "host"
+    on_host = self.placement.update == "host"
     where = _on_host if on_host else _on_device
     # (Stages 1-2 with fp32 compute: slicing the replicated master to its
     # shard is local, no communication.)
@@ -781,12 +744,13 @@ class Engine:
     return _compat.on_host(update)(master, opt_state, grads, finite)
 
   def _train_step(self, state: TrainState, batch: Any):
+    pl = self.placement
     for x in jax.tree.leaves(batch):
       self._check_batch_dim(x.shape, x.shape[0] if x.ndim else None)
     cfg = self.config
     stage = cfg.stage
     rng = jax.random.fold_in(state.rng, state.step)
-    scale = state.loss_scale.scale if self._scaled else None
+    scale = state.loss_scale.scale if pl.loss_scaling else None
     grads, loss, aux = self._loss_and_grads(state.params, state.compute_params,
                                             batch, rng, scale)
     if scale is not None:
@@ -806,7 +770,7 @@ class Engine:
     loss_scale = state.loss_scale
     applied = state.step
     finite = None
-    if self._scaled:
+    if pl.loss_scaling:
       # One flag for the whole model: an overflow in any shard on any device
       # skips the update everywhere (jnp.all over global arrays reduces
       # across devices).
@@ -823,15 +787,15 @@ class Engine:
     else:
       master, opt_state = self._whole_update(state, grads, shards, finite)
       device_master = (jax.device_put(master, _on_device(shards))
-                       if cfg.update_on == "host" else master)
+                       if pl.update == "host" else master)
     if self.lr_schedule is not None:
       # The rate of this update: optax's count is the updates applied before.
       metrics["learning_rate"] = self.lr_schedule(applied)
     compute_params = None
     # The compute copy is refreshed from the new master, on the device.
-    if self._keep_compute:
-      compute_params = self._gather_replicated(device_master, self._cd)
-    elif self._shard_compute:
+    if pl.compute_copy == "replicated":
+      compute_params = self._gather_replicated(device_master, pl.compute_dtype)
+    elif pl.compute_copy == "sharded":
       compute_params = self._compute_copy(device_master)
     elif stage in (1, 2):
       master = self._gather_replicated(device_master)

@@ -31,6 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zero_jax.config import ZeroConfig
+from zero_jax.placement import Placement
+
 
 def paper_model_state_bytes(psi: float, n: int, stage: int, *,
                             param_bytes: int = 2, grad_bytes: int = 2,
@@ -313,28 +316,30 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
   r = min(max(replicated, 0), psi)
   full = lambda b: b * psi
   sharded = lambda b: b * ((psi - r) / n + r)
-  if c is None:
-    params = full(4) if stage < 3 else sharded(4)
-    grads = full(4) if stage < 2 else sharded(4)
-  elif stage == 0:
-    params, grads = full(4), full(c)
-  elif stage in (1, 2):
-    params = sharded(4) + full(c)
-    grads = full(c) if stage == 1 else sharded(c)
-  else:
-    params, grads = sharded(4), sharded(4)
+  if offload_params and stage != 3:
+    raise ValueError("offload_params needs stage 3")
+  # Where master, moments and the compute copy live: the engine's rules.
+  # (Only whether a 16-bit copy exists matters to the layout; c sizes it.)
+  pl = Placement.of(ZeroConfig(
+      stage=stage, compute_dtype=None if c is None else "bfloat16",
+      offload_optimizer="host" if offload_optimizer else None,
+      offload_params="host" if offload_params else None))
+  master = sharded(4) if pl.master_sharded else full(4)
+  compute = {"replicated": full(c or 0), "sharded": sharded(c or 0),
+             None: 0.0}[pl.compute_copy]
   opt_state = full(kb) if stage == 0 else sharded(kb)
-  host = 0.0
-  if offload_params:
-    if stage != 3:
-      raise ValueError("offload_params needs stage 3")
-    host, params = params, 0.0
-  if offload_optimizer:
-    host, opt_state = host + opt_state, 0.0
-    if c is not None and stage in (1, 2):
-      host, params = host + sharded(4), full(c)
-    elif c is not None and stage == 3 and not offload_params:
-      host, params = host + sharded(4), sharded(c)
+  # Gradients live at the update: in the compute dtype where backward
+  # leaves them whole (stages 0-1), reduce-scattered shards at stages 2-3
+  # (fp32 at stage 3, where they are the master's).
+  if c is None:
+    grads = full(4) if stage < 2 else sharded(4)
+  else:
+    grads = (full(c) if stage < 2 else sharded(c) if stage == 2 else
+             sharded(4))
+  params = compute + (0.0 if pl.master_on_host else master)
+  host = ((master if pl.master_on_host else 0.0) +
+          (opt_state if pl.opt_on_host else 0.0))
+  opt_state = 0.0 if pl.opt_on_host else opt_state
   return Estimate(params=float(params), grads=float(grads),
                   opt_state=float(opt_state),
                   activations=float(activations or 0), host=float(host))

@@ -1,0 +1,133 @@
+"""Where each part of the ZeRO state lives, and where the update runs.
+
+One object, decided once from the config: the engine lays out and updates
+the state by it, ``estimate_memory`` counts bytes by it, and
+``Engine.describe()`` prints it. The rules:
+
+- the fp32 master is sharded at stage 3, and at stages 1-2 when forward
+  reads a separate compute-dtype copy; otherwise it is replicated (stage 0,
+  and stages 1-2 in fp32, where the replicated compute copy *is* the
+  master and each device updates the slice it owns);
+- a separate compute copy exists at stages 1-2 with a ``compute_dtype``
+  (replicated, refreshed by an all-gather after each update), and at stage
+  3 with a ``compute_dtype`` when the master is offloaded but the
+  parameters are not (sharded, refreshed by a cast);
+- offload puts the optimizer state in pinned host memory, and the master
+  too wherever forward does not read it (it reads the compute copy), or at
+  stage 3 with ``offload_params`` (forward copies each layer's master
+  shards to the device as it gathers them);
+- offloaded state is updated by streaming it through the device a slice at
+  a time (``zero_jax.stream``), or on the host with ``update_on="host"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+DEVICE, HOST = "device", "pinned_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """The layout decisions of one ``ZeroConfig``.
+
+  Attributes:
+    stage: the ZeRO stage.
+    compute_dtype: dtype of forward and backward (None: float32).
+    reduce_dtype: dtype gradients are summed in across devices (None: as
+      computed, float32).
+    master_sharded: the fp32 master is sharded (else replicated).
+    master_memory: ``"device"`` or ``"pinned_host"``.
+    opt_memory: the optimizer state's memory kind.
+    compute_copy: ``None``, ``"replicated"`` or ``"sharded"``: the separate
+      compute-dtype copy forward reads.
+    gather_from: stage 3: what parameters are gathered from:
+      ``"master"`` (the fp32 shards), ``"compute"`` (the sharded compute
+      copy) or ``"host_master"`` (the offloaded master, copied to the
+      device layer by layer); None at stages 0-2.
+    update: ``"device"`` (whole, on device-resident state), ``"streamed"``
+      (offloaded state, slice by slice) or ``"host"``.
+    loss_scaling: float16 loss scaling is on.
+  """
+
+  stage: int
+  compute_dtype: np.dtype | None
+  reduce_dtype: np.dtype | None
+  master_sharded: bool
+  master_memory: str
+  opt_memory: str
+  compute_copy: str | None
+  gather_from: str | None
+  update: str
+  loss_scaling: bool
+
+  @classmethod
+  def of(cls, config) -> "Placement":
+    """The placement a ``ZeroConfig`` asks for."""
+    cd = config.compute_dtype
+    cd = None if cd in (None, "float32") else jnp.dtype(cd)
+    rd = config.reduce_dtype
+    # Gradients are summed in fp32 unless asked otherwise (see ZeroConfig).
+    rd = (jnp.dtype(rd) if rd is not None else
+          jnp.dtype(jnp.float32) if cd is not None else None)
+    stage = config.stage
+    offload_opt = config.offload_optimizer == "host"
+    offload_params = bool(config.offload_params)
+    compute_copy = None
+    if stage in (1, 2) and cd is not None:
+      compute_copy = "replicated"
+    elif stage == 3 and cd is not None and offload_opt and not offload_params:
+      compute_copy = "sharded"
+    master_on_host = offload_params or (offload_opt and
+                                        compute_copy is not None)
+    gather_from = None
+    if stage == 3:
+      gather_from = ("host_master" if offload_params else
+                     "compute" if compute_copy else "master")
+    offloaded = offload_opt or offload_params
+    update = ("host" if config.update_on == "host" else
+              "streamed" if offloaded else "device")
+    return cls(stage=stage, compute_dtype=cd, reduce_dtype=rd,
+               master_sharded=stage == 3 or compute_copy == "replicated",
+               master_memory=HOST if master_on_host else DEVICE,
+               opt_memory=HOST if offload_opt else DEVICE,
+               compute_copy=compute_copy, gather_from=gather_from,
+               update=update,
+               loss_scaling=config.compute_dtype == "float16")
+
+  @property
+  def master_on_host(self) -> bool:
+    return self.master_memory == HOST
+
+  @property
+  def opt_on_host(self) -> bool:
+    return self.opt_memory == HOST
+
+  def describe(self) -> list[str]:
+    """One line per decision, for ``Engine.describe()``."""
+    dtype = self.compute_dtype.name if self.compute_dtype else "float32"
+    master = "sharded" if self.master_sharded else "replicated"
+    lines = [f"fp32 master: {master}, in {self.master_memory} memory; "
+             f"optimizer state: sharded by shape, in {self.opt_memory} "
+             "memory"]
+    if self.compute_copy == "replicated":
+      lines.append(f"stages 1-2: a replicated {dtype} copy for compute, "
+                   "all-gathered after each update")
+    elif self.compute_copy == "sharded":
+      lines.append(f"stage 3: a sharded {dtype} copy on the device for "
+                   "forward, refreshed after each update")
+    elif self.stage in (1, 2):
+      lines.append("stages 1-2: parameters replicated for compute; each "
+                   "device updates only its shard")
+    if self.gather_from == "host_master":
+      lines.append("stage 3: each layer's master shards are copied to the "
+                   "device as forward and backward gather them")
+    lines.append({
+        "device": "the optimizer update runs on the device",
+        "streamed": "the update streams offloaded state through the device "
+                    "slice by slice (leaves cut along their first axis):",
+        "host": "the optimizer update runs on the host"}[self.update])
+    return lines
