@@ -5,8 +5,9 @@ fp32 master weights and AdamW state, full remat, ZeRO stage 3):
 
 - speed: step time, tokens/s, MFU (6·Ψ + attention FLOPs per token over the
   device's bf16 peak) and device memory, for zero_jax with the optimizer on
-  the device, with ``offload_optimizer="host"`` (update streamed to the
-  device, and update on the host), and for the same model trained by plain
+  the device, with ``offload_optimizer="host"`` (the update streamed
+  through the device slice by slice; the same with ``offload_params``; the
+  update on the host), and for the same model trained by plain
   ``jax.jit`` + optax without zero_jax (the baseline);
 - capacity: the largest model of the size ladder that trains, with and
   without optimizer offload.
@@ -47,10 +48,16 @@ MODES = {
     # name: ZeroConfig overrides (None: plain jax.jit + optax)
     "baseline (jax.jit + optax)": None,
     "zero_jax stage 3": {},
+    # The update streamed through the device a slice at a time.
     "zero_jax stage 3 + offload": {"offload_optimizer": "host"},
+    "zero_jax stage 3 + offload + offload_params": {
+        "offload_optimizer": "host", "offload_params": "host"},
     "zero_jax stage 3 + offload, update on host": {
         "offload_optimizer": "host", "update_on": "host"},
 }
+_OFFLOADS = [m for m in MODES if m.startswith("zero_jax stage 3 + offload")]
+_LADDER_MODES = ("zero_jax stage 3", "zero_jax stage 3 + offload",
+                 "zero_jax stage 3 + offload + offload_params")
 
 
 @dataclasses.dataclass
@@ -246,12 +253,11 @@ def write_results(results: list[dict], out_dir: str) -> None:
     if zero and base:
       lines.append(f"- {size}: zero_jax step time / baseline "
                    f"{zero['step_s'] / base['step_s']:.3f}")
-    for mode in ("zero_jax stage 3 + offload",
-                 "zero_jax stage 3 + offload, update on host"):
+    for mode in _OFFLOADS:
       if zero and mode in by:
         lines.append(f"- {size}: {mode}: step time / no offload "
                      f"{by[mode]['step_s'] / zero['step_s']:.3f}")
-  for mode in ("zero_jax stage 3", "zero_jax stage 3 + offload"):
+  for mode in _LADDER_MODES:
     fits = [r for r in ok if r["mode"] == mode and r.get("capacity")]
     if fits:
       best = max(fits, key=lambda r: r["params"])
@@ -273,7 +279,7 @@ def plan_runs(args) -> tuple[list[Run], list[Run]]:
                             ("tiny" if args.tiny else "1.3b"))
   ladder = [Run(size, mode, args.capacity_batch, seq, 3, args.tiny)
             for size in list(sizes)[start:]
-            for mode in ("zero_jax stage 3", "zero_jax stage 3 + offload")]
+            for mode in _LADDER_MODES]
   return speed, ladder
 
 

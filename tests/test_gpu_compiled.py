@@ -136,12 +136,14 @@ def test_offloaded_optimizer_state_is_compiled_into_host_memory():
   # The entry layout puts the offloaded parameters in memory space 5 (host).
   assert "entry_computation_layout" in entry and "S(5)" in entry
   # fp32 master + two Adam moments (12 bytes a parameter) on the host, apart
-  # from the device figures.
-  assert abs(c.memory.host - 12 * c.params) <= 0.01 * 12 * c.params
+  # from the device figures, and the fp32 gradients of the streamed leaves
+  # (all but the small ones: measured 15.7 bytes a parameter in all).
+  assert 15 * c.params <= c.memory.host <= 16 * c.params
   assert c.memory.argument < 0.3 * 12 * c.params
-  # The update streams the state through the device a slice at a time: the
-  # peak is at most 0.6x the peak without offload (measured 0.52x; the
-  # whole-state copy it replaced measured 30.7 GiB on a real H100, 1.1x).
+  # The update streams the state through the device a slice at a time, and
+  # the gradient shards go to the host as backward makes them: the peak is
+  # at most 0.6x the peak without offload (measured 0.34x; the whole-state
+  # copy it replaced measured 30.7 GiB on a real H100, 1.1x).
   _, plain = _one_h100(**_1_3B)
   assert c.memory.peak <= 0.60 * plain.memory.peak, (
       c.memory.peak / GIB, plain.memory.peak / GIB)
@@ -176,9 +178,12 @@ def test_streamed_update_copies_one_slice_per_iteration(monkeypatch):
   engine, opt = compile_gpt("h100", 1, 3, offload_optimizer=True, **_WIDE)
   _, both = compile_gpt("h100", 1, 3, offload_optimizer=True,
                         offload_params=True, **_WIDE)
-  # Measured 0.47x and 0.35x.
   assert opt.memory.peak <= 0.60 * plain.memory.peak
   assert both.memory.peak <= 0.40 * plain.memory.peak
+  # Nothing runs on the host: XLA marks any computation it had to move
+  # there (a slow path) with this attribute.
+  for c in (opt, both):
+    assert '_xla_compute_type="host"' not in c.hlo
   # What reads host memory: dynamic slices inside the update's loops, and
   # whole copies of leaves below the slice budget only.
   bodies = {line.split("body=")[1].split(",")[0].lstrip("%")

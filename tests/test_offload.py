@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import zero_jax as zj
@@ -135,6 +136,7 @@ def test_offload_params_needs_stage_3():
 # small models are cut: several rows of a leaf per slice, several scans.
 _STREAM_CASES = [
     ("adamw", dict(stage=3)),
+    ("adam", dict(stage=1)),
     ("adamw", dict(stage=1, compute_dtype="bfloat16")),
     ("adamw", dict(stage=2, compute_dtype="float16")),
     ("adamw", dict(stage=0)),
@@ -143,13 +145,19 @@ _STREAM_CASES = [
     ("sgd_momentum", dict(stage=2)),
     ("lion", dict(stage=3, offload_params="host")),
     ("lion", dict(stage=1, compute_dtype="float16")),
+    # Gradients in host memory (stage 3): clipped and unscaled slice by
+    # slice as the update reads them.
+    ("adamw", dict(stage=3, compute_dtype="float16", offload_params="host",
+                   clip_grad_norm=0.05)),
+    ("adamw", dict(stage=3, clip_grad_norm=0.05, offload_params="host")),
     ("adafactor", dict(stage=3, compute_dtype="bfloat16")),
     ("adafactor", dict(stage=2)),
 ]
 
 
 def _run_mlp(opt, steps, **config):
-  engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](),
+  make = dict(m.OPTIMIZERS, adam=lambda: optax.adam(1e-2))[opt]
+  engine = zj.Engine(m.mlp_loss, make(),
                      zj.ZeroConfig(min_shard_elements=0, **config),
                      zj.make_mesh(num_devices=8))
   state = engine.init(m.mlp_params())
@@ -171,6 +179,9 @@ def test_streamed_update_equals_the_update_without_offload(opt, config,
   engine, state = _run_mlp(opt, steps, offload_optimizer="host", **config)
   _, ref = _run_mlp(opt, steps, **config)
   calls = engine._streamer.calls  # pylint: disable=protected-access
+  assert engine.placement.grads_on_host == (
+      config["stage"] == 3 and
+      ("compute_dtype" in config or "offload_params" in config))
   if opt == "adafactor":
     # Its per-leaf RMS clipping mixes rows: every leaf is updated whole.
     assert all(k == 1 for k, _ in calls)

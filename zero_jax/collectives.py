@@ -147,27 +147,33 @@ def use_with_scattered_grad(lp: LeafPlan, shard: jax.Array,
   return _scatter_on_backward(lp.dim, reduce_dtype, shard, full)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _gather_from(dim: int, compute_dtype, reduce_dtype, to_device: bool,
-                 stand_in: jax.Array, source: jax.Array):
-  del stand_in
+                 grad_to_host: bool, stand_in: jax.Array, source: jax.Array):
+  del stand_in, grad_to_host
   if to_device:
     source = jax.device_put(source, jax.memory.Space.Device)
   return jax.lax.all_gather(_to_replica_varying(source).astype(compute_dtype),
                             DATA, axis=dim, tiled=True)
 
 
-def _gather_from_fwd(dim, compute_dtype, reduce_dtype, to_device, stand_in,
-                     source):
-  out = _gather_from(dim, compute_dtype, reduce_dtype, to_device, stand_in,
-                     source)
+def _gather_from_fwd(dim, compute_dtype, reduce_dtype, to_device,
+                     grad_to_host, stand_in, source):
+  out = _gather_from(dim, compute_dtype, reduce_dtype, to_device,
+                     grad_to_host, stand_in, source)
   return out, jnp.zeros((0,), stand_in.dtype)
 
 
-def _gather_from_bwd(dim, compute_dtype, reduce_dtype, to_device, res, g):
+def _gather_from_bwd(dim, compute_dtype, reduce_dtype, to_device,
+                     grad_to_host, res, g):
   # The source gets no gradient (None: a symbolic zero, which also suits a
   # source in host memory).
-  return _scatter_grad(dim, g, reduce_dtype, res.dtype), None
+  grad = _scatter_grad(dim, g, reduce_dtype, res.dtype)
+  if grad_to_host:
+    # ZeRO-Offload: the gradient shard leaves the device as soon as
+    # backward has made it.
+    grad = jax.device_put(grad, jax.memory.Space.Host)
+  return grad, None
 
 
 _gather_from.defvjp(_gather_from_fwd, _gather_from_bwd)
@@ -175,7 +181,8 @@ _gather_from.defvjp(_gather_from_fwd, _gather_from_bwd)
 
 def gather_from(lp: LeafPlan, stand_in: jax.Array, source: jax.Array,
                 compute_dtype=None, reduce_dtype=None,
-                to_device: bool = False) -> jax.Array:
+                to_device: bool = False,
+                grad_to_host: bool = False) -> jax.Array:
   """All-gathers the shard ``source`` while sending its gradient to
   ``stand_in``.
 
@@ -183,7 +190,8 @@ def gather_from(lp: LeafPlan, stand_in: jax.Array, source: jax.Array,
   compute-dtype copy, or a master shard in host memory (``to_device``
   copies it to the device first, one layer at a time inside a scan). The
   gradient is reduce-scattered in ``reduce_dtype`` and returned in
-  ``stand_in``'s dtype (a zero-valued fp32 array of the shard's shape).
+  ``stand_in``'s dtype (a zero-valued fp32 array of the shard's shape), in
+  host memory if ``grad_to_host``.
   """
   return _gather_from(lp.dim, compute_dtype or source.dtype, reduce_dtype,
-                      to_device, stand_in, source)
+                      to_device, grad_to_host, stand_in, source)

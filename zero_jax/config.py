@@ -79,6 +79,12 @@ class ZeroConfig:
     offload_params: stage 3 only. ``"host"`` keeps the fp32 master shards in
       pinned host memory; forward and backward copy each layer's shards to
       the device just before gathering them (inside ``scan_layers``).
+      At stage 3, whenever forward gathers from something other than the
+      device master (this option, or ``offload_optimizer`` with a
+      ``compute_dtype``) and there is one micro-batch per step, the
+      gradient shards of the leaves the update streams also go to host
+      memory as backward makes them (ZeRO-Offload), and the update reads
+      them back a slice at a time.
     update_on: where the optimizer update runs when state is offloaded:
       ``"device"`` (the default) streams the offloaded state through the
       device a slice at a time (a loop over the layer axis of stacked

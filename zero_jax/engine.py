@@ -168,12 +168,12 @@ class Engine:
     self.replica = dict(mesh.shape).get(REPLICA, 1)
     self.axes = batch_axes(mesh)
     self.num_devices = self.n * self.replica
-    # Where master, moments and the compute copy live, and where the
-    # update runs: decided once (zero_jax.placement).
-    self.placement = Placement.of(config)
     self.lr_schedule = lr_schedule
     (self.train_batch_size, self.micro_batch_size,
      self.grad_accum_steps) = config.batch_sizes(self.num_devices)
+    # Where master, moments, gradients and the compute copy live, and where
+    # the update runs: decided once (zero_jax.placement).
+    self.placement = Placement.of(config, self.grad_accum_steps)
     self._jitted = None
     self.step = _StepFunction(self)
     self.param_plan: Plan | None = None
@@ -541,6 +541,10 @@ class Engine:
     # the master in host memory, copied to the device layer by layer.
     gather_from = pl.gather_from in ("compute", "host_master")
     to_device = pl.gather_from == "host_master"
+    # Gradients go to the host for the leaves the update streams slice by
+    # slice; small (whole) leaves gain nothing from the round trip.
+    grads_to_host = [pl.grads_on_host and l in self._streamer.cuts
+                     for l in range(len(leaves(plans)))]
     on_device = ((lambda x: jax.device_put(x, jax.memory.Space.Device))
                  if pl.master_on_host else (lambda x: x))
 
@@ -567,13 +571,19 @@ class Engine:
         wrt = jax.tree.map(varying, source)
       elif stage == 2 or gather_from:
         # Zero-valued stand-ins of each shard: each leaf's gradient is
-        # reduce-scattered as backward produces it.
-        wrt = jax.tree.map(
-            lambda lp, p: (jax.lax.pcast(jnp.zeros(lp.local_shape(self.n),
-                                                   jnp.float32),
-                                         DATA, to="varying")
-                           if lp.sharded else varying(on_device(p))),
-            plans, params, is_leaf=is_plan)
+        # reduce-scattered as backward produces it. (In host memory where
+        # the gradients go there: a cotangent lives where its primal does.
+        # Forward never reads them.)
+        def stand_in(lp, to_host):
+          z = jnp.zeros(lp.local_shape(self.n), jnp.float32)
+          if to_host:
+            z = jax.device_put(z, jax.memory.Space.Host)
+          return jax.lax.pcast(z, DATA, to="varying")
+
+        wrt = unflatten([
+            stand_in(lp, to_host) if lp.sharded else varying(on_device(p))
+            for lp, p, to_host in zip(leaves(plans), leaves(params),
+                                      grads_to_host)])
       else:
         # Stage 3: the shards themselves; gather at use, and the gather's
         # transpose reduce-scatters.
@@ -589,7 +599,8 @@ class Engine:
 
         def loss_of_wrt(wrt):
           full, recorded = [], {}
-          for lp, w, src in zip(leaves(plans), leaves(wrt), leaves(source)):
+          for lp, w, src, to_host in zip(leaves(plans), leaves(wrt),
+                                         leaves(source), grads_to_host):
             if not lp.sharded:
               f = w if cd is None else w.astype(cd)
             elif stage == 2:
@@ -598,9 +609,10 @@ class Engine:
               recorded[id(f)] = layers._Recorded("scatter", lp, w, src, cd,
                                                  rd)
             elif gather_from:
-              f = collectives.gather_from(lp, w, src, cd, rd, to_device)
+              f = collectives.gather_from(lp, w, src, cd, rd, to_device,
+                                          to_host)
               recorded[id(f)] = layers._Recorded("gather_from", lp, w, src,
-                                                 cd, rd, to_device)
+                                                 cd, rd, to_device, to_host)
             else:
               f = collectives.gather_leaf(lp, w, cd, rd)
               recorded[id(f)] = layers._Recorded("gather", lp, w, None, cd,
@@ -679,7 +691,7 @@ class Engine:
         check_vma=False)
     return fn(tree)
 
-  def _streamed_update(self, state, grads, shards, finite):
+  def _streamed_update(self, state, grads, shards, finite, grad_fn):
     """The update with offloaded state, slice by slice (zero_jax.stream).
 
     Returns the new master and optimizer state where they live, and the
@@ -704,7 +716,7 @@ class Engine:
         grads, state.opt_state, master, finite=finite,
         master_on_host=pl.master_on_host,
         opt_on_host=pl.opt_on_host,
-        compute_dtype=cd, compute=compute)
+        compute_dtype=cd, compute=compute, grad_fn=grad_fn)
     device_master = (master if cd is None and not pl.master_on_host
                      else None)
     if compute is not None:
@@ -753,17 +765,32 @@ class Engine:
     scale = state.loss_scale.scale if pl.loss_scaling else None
     grads, loss, aux = self._loss_and_grads(state.params, state.compute_params,
                                             batch, rng, scale)
-    if scale is not None:
-      grads = jax.tree.map(lambda g: g / scale, grads)
-    # Outside shard_map the gradients are global (sharded) arrays, so the
-    # norm is over the whole model, exactly; XLA inserts the reduction.
-    norm = optax.tree.norm(grads)
+    unscale = (lambda g: g) if scale is None else (lambda g: g / scale)
+    if pl.grads_on_host:
+      # The gradients are in host memory: their norm and finiteness are
+      # read a slice at a time, and the update unscales and clips each
+      # slice as it reads it.
+      norm, all_finite = self._streamer.grad_stats(grads, unscale)
+    else:
+      grads = jax.tree.map(unscale, grads)
+      # Outside shard_map the gradients are global (sharded) arrays, so the
+      # norm is over the whole model, exactly; XLA inserts the reduction.
+      norm = optax.tree.norm(grads)
+      # One flag for the whole model: an overflow in any shard on any
+      # device skips the update everywhere (jnp.all over global arrays
+      # reduces across devices).
+      all_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
+                                      for g in jax.tree.leaves(grads)]))
+    clip = lambda g: g
     if cfg.clip_grad_norm is not None:
       c = cfg.clip_grad_norm
       # optax.clip_by_global_norm's formula, on the norm already computed.
-      grads = jax.tree.map(
-          lambda g: jnp.where(norm < c, g, g / norm.astype(g.dtype) * c),
-          grads)
+      clip = lambda g: jnp.where(norm < c, g, g / norm.astype(g.dtype) * c)
+    grad_fn = None
+    if pl.grads_on_host:
+      grad_fn = lambda g: clip(unscale(g))
+    else:
+      grads = jax.tree.map(clip, grads)
     shards = (self._device_params if stage == 0 else
               self.param_plan.shardings)
     metrics = {"loss": loss, "grad_norm": norm}
@@ -771,11 +798,7 @@ class Engine:
     applied = state.step
     finite = None
     if pl.loss_scaling:
-      # One flag for the whole model: an overflow in any shard on any device
-      # skips the update everywhere (jnp.all over global arrays reduces
-      # across devices).
-      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
-                                  for g in jax.tree.leaves(grads)]))
+      finite = all_finite
       applied = state.step - loss_scale.skipped
       loss_scale, at_min = _ls.update(loss_scale, finite, cfg)
       metrics.update(loss_scale=scale, skipped=jnp.logical_not(finite),
@@ -783,7 +806,7 @@ class Engine:
                      overflow_at_min_scale=at_min)
     if self._streamer is not None:
       master, opt_state, device_master = self._streamed_update(
-          state, grads, shards, finite)
+          state, grads, shards, finite, grad_fn)
     else:
       master, opt_state = self._whole_update(state, grads, shards, finite)
       device_master = (jax.device_put(master, _on_device(shards))

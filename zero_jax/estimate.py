@@ -211,6 +211,8 @@ def _analytic_report(args: argparse.Namespace, stage: int,
           ("total", size(est.total), size(paper.model_states))]
   if est.host:
     rows.append(("host (offloaded)", size(est.host), "-"))
+  if est.host_grads:
+    rows.append(("host (gradients)", size(est.host_grads), "-"))
   lines = [f"stage {stage}: {_STAGE_NAMES[stage]}",
            f"  {unit[0] + ' per device':<18}{'zero_jax':>12}{'paper':>12}"]
   lines += [f"  {name:<18}{ours:>12}{theirs:>12}"

@@ -101,7 +101,8 @@ class _Recorded:
   "scatter": full is the replicated copy ``source``, whose gradient goes to
   ``shard`` via a reduce-scatter. kind "gather_from": full =
   all_gather(source) (copied to the device first if ``to_device``), whose
-  gradient goes to ``shard``. Gradients are summed in ``reduce_dtype``.
+  gradient goes to ``shard`` (in host memory if ``grad_to_host``).
+  Gradients are summed in ``reduce_dtype``.
   """
 
   kind: str
@@ -111,6 +112,7 @@ class _Recorded:
   compute_dtype: Any = None
   reduce_dtype: Any = None
   to_device: bool = False
+  grad_to_host: bool = False
 
 
 class _Context(threading.local):
@@ -210,7 +212,8 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
         shard, source = s
         layer.append(collectives.gather_from(lp, shard, source,
                                              rec.compute_dtype,
-                                             rec.reduce_dtype, rec.to_device))
+                                             rec.reduce_dtype, rec.to_device,
+                                             rec.grad_to_host))
       else:
         shard, source = s
         layer.append(collectives.use_with_scattered_grad(

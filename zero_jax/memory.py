@@ -168,6 +168,10 @@ class Estimate:
     host: state kept in host memory instead (offload; per device, so a
       host's RAM must hold this times its devices). ``params`` and
       ``opt_state`` count device memory only.
+    host_grads: gradients sent to host memory as backward makes them
+      (stage 3 offload with one micro-batch: ``Placement.grads_on_host``);
+      ``grads`` then counts none. An upper bound: small leaves' gradients
+      stay on the device.
   """
 
   params: float
@@ -175,6 +179,7 @@ class Estimate:
   opt_state: float
   activations: float = 0.0
   host: float = 0.0
+  host_grads: float = 0.0
 
   @property
   def model_states(self) -> float:
@@ -340,9 +345,13 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
   host = ((master if pl.master_on_host else 0.0) +
           (opt_state if pl.opt_on_host else 0.0))
   opt_state = 0.0 if pl.opt_on_host else opt_state
+  host_grads = 0.0
+  if pl.grads_on_host:
+    host_grads, grads = grads, 0.0
   return Estimate(params=float(params), grads=float(grads),
                   opt_state=float(opt_state),
-                  activations=float(activations or 0), host=float(host))
+                  activations=float(activations or 0), host=float(host),
+                  host_grads=float(host_grads))
 
 
 def paper_estimate(psi: float, n: int, stage: int, *, param_bytes: int = 2,

@@ -50,6 +50,10 @@ class Placement:
       device layer by layer); None at stages 0-2.
     update: ``"device"`` (whole, on device-resident state), ``"streamed"``
       (offloaded state, slice by slice) or ``"host"``.
+    grads_on_host: stage 3 with offloaded, streamed state and one
+      micro-batch per step: each gradient shard goes to host memory as
+      backward makes it (ZeRO-Offload), and the update reads it back a
+      slice at a time.
     loss_scaling: float16 loss scaling is on.
   """
 
@@ -63,10 +67,12 @@ class Placement:
   gather_from: str | None
   update: str
   loss_scaling: bool
+  grads_on_host: bool = False
 
   @classmethod
-  def of(cls, config) -> "Placement":
-    """The placement a ``ZeroConfig`` asks for."""
+  def of(cls, config, grad_accum_steps: int = 1) -> "Placement":
+    """The placement a ``ZeroConfig`` asks for (with this many
+    micro-batches per step: an accumulator stays on the device)."""
     cd = config.compute_dtype
     cd = None if cd in (None, "float32") else jnp.dtype(cd)
     rd = config.reduce_dtype
@@ -96,7 +102,10 @@ class Placement:
                opt_memory=HOST if offload_opt else DEVICE,
                compute_copy=compute_copy, gather_from=gather_from,
                update=update,
-               loss_scaling=config.compute_dtype == "float16")
+               loss_scaling=config.compute_dtype == "float16",
+               grads_on_host=(gather_from in ("compute", "host_master")
+                              and update == "streamed"
+                              and grad_accum_steps == 1))
 
   @property
   def master_on_host(self) -> bool:
@@ -125,6 +134,9 @@ class Placement:
     if self.gather_from == "host_master":
       lines.append("stage 3: each layer's master shards are copied to the "
                    "device as forward and backward gather them")
+    if self.grads_on_host:
+      lines.append("gradient shards go to host memory as backward makes "
+                   "them")
     lines.append({
         "device": "the optimizer update runs on the device",
         "streamed": "the update streams offloaded state through the device "

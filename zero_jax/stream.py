@@ -277,7 +277,7 @@ class Streamer:
   def update(self, grads: Any, opt_state: Any, master: Any, *,
              finite: jax.Array | None, master_on_host: bool,
              opt_on_host: bool, compute_dtype: Any = None,
-             compute: list | None = None):
+             compute: list | None = None, grad_fn=None):
     """The optax update, streamed.
 
     Args:
@@ -290,11 +290,15 @@ class Streamer:
       compute_dtype: also return the new master cast to this dtype, in
         device memory, written slice by slice (for the next forward).
       compute: flat initial buffers for that copy (device, master layout).
+      grad_fn: applied to each gradient slice on the device before the
+        update (unscaling and clipping of gradients kept in host memory).
 
     Returns:
       ``(master, opt_state, compute)``: compute is a flat list or None.
     """
     def update(gs, ps, os_):
+      if grad_fn is not None:
+        gs = jax.tree.map(grad_fn, gs)
       updates, new_o = self.tx.update(gs, os_, ps)
       new_p = optax.apply_updates(ps, updates)
       if finite is None:
@@ -308,6 +312,34 @@ class Streamer:
                              jax.tree.leaves(opt_state), master_on_host,
                              opt_on_host, compute_dtype, compute)
     return (self.treedef.unflatten(p), self.opt_treedef.unflatten(o), comp)
+
+  def grad_stats(self, grads: Any, fn) -> tuple[jax.Array, jax.Array]:
+    """The global norm of ``fn(grads)`` and whether it is all finite, read
+    a slice at a time (for gradients in host memory)."""
+    g = jax.tree.leaves(grads)
+
+    def stats(x):
+      x = fn(_to_device(x)).astype(jnp.float32)
+      return jnp.sum(x * x), jnp.all(jnp.isfinite(x))
+
+    total = (jnp.zeros((), jnp.float32), jnp.array(True))
+    add = lambda a, b: (a[0] + b[0], jnp.logical_and(a[1], b[1]))
+    for k, members in self.calls:
+      if k == 1:
+        for l in members:
+          total = add(total, stats(g[l]))
+        continue
+      views = {l: self.cuts[l].view(g[l]) for l in members}
+
+      def body(acc, i, members=members, views=views):
+        for l in members:
+          acc = add(acc, stats(self.cuts[l].take(views[l], i)))
+        return acc, None
+
+      part, _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32),
+                                    jnp.array(True)), jnp.arange(k))
+      total = add(total, part)
+    return jnp.sqrt(total[0]), total[1]
 
   def init(self, params: list, master: list, opt_state: list, *,
            master_on_host: bool, opt_on_host: bool, compute_dtype: Any = None,
@@ -392,7 +424,8 @@ class Streamer:
         return ({l: new_p[l] for l in mset}, {j: new_o[j] for j in oj})
 
       if k == 1:
-        new_p, new_o = one(gl, {l: f32(rl[l]) for l in members},
+        new_p, new_o = one({l: _to_device(x) for l, x in gl.items()},
+                           {l: f32(rl[l]) for l in members},
                            {j: _to_device(ol[j]) for j in oj})
         out_p = {l: put_p(new_p[l]) for l in members}
         out_o = {j: put_o(new_o[j]) for j in oj}
@@ -415,7 +448,7 @@ class Streamer:
         def body(carry, i):
           ps = {l: f32(cut[l].take(rv[l] if l in rv else carry["p"][l], i))
                 for l in members}
-          gs = {l: cut[l].take(gv[l], i) for l in gv}
+          gs = {l: _to_device(cut[l].take(gv[l], i)) for l in gv}
           os_ = {j: _to_device(ocut[j].take(carry["o"][j], i))
                  for j in sliced_o}
           os_.update({j: _to_device(ol[j]) for j in whole_o})
