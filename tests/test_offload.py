@@ -137,6 +137,7 @@ def test_offload_params_needs_stage_3():
 _STREAM_CASES = [
     ("adamw", dict(stage=3)),
     ("adam", dict(stage=1)),
+    ("masked_adamw", dict(stage=3, compute_dtype="bfloat16")),
     ("adamw", dict(stage=1, compute_dtype="bfloat16")),
     ("adamw", dict(stage=2, compute_dtype="float16")),
     ("adamw", dict(stage=0)),
@@ -156,7 +157,12 @@ _STREAM_CASES = [
 
 
 def _run_mlp(opt, steps, **config):
-  make = dict(m.OPTIMIZERS, adam=lambda: optax.adam(1e-2))[opt]
+  # (A mask is a function of the parameter tree: init and update must see
+  # the tree, not a flat list.)
+  make = dict(m.OPTIMIZERS, adam=lambda: optax.adam(1e-2),
+              masked_adamw=lambda: optax.adamw(
+                  1e-2, weight_decay=0.1,
+                  mask=lambda p: {k: k != "b1" for k in p}))[opt]
   engine = zj.Engine(m.mlp_loss, make(),
                      zj.ZeroConfig(min_shard_elements=0, **config),
                      zj.make_mesh(num_devices=8))

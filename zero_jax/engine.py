@@ -325,7 +325,8 @@ class Engine:
     master = [p if p.dtype == jnp.float32 else
               b if b is not None else device_zeros(p.shape, jnp.float32, s)
               for p, b, s in zip(flat, master, shards)]
-    opt_shapes = jax.tree.leaves(jax.eval_shape(self.tx.init, master))
+    opt_shapes = jax.tree.leaves(jax.eval_shape(
+        self.tx.init, jax.tree.unflatten(jax.tree.structure(params), master)))
     opt = [b if b is not None else device_zeros(x.shape, x.dtype, s)
            for b, x, s in zip(opt, opt_shapes,
                               jax.tree.leaves(self._device_opt))]
