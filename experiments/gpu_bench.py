@@ -7,7 +7,8 @@ fp32 master weights and AdamW state, full remat, ZeRO stage 3):
   device's bf16 peak) and device memory, for zero_jax with the optimizer on
   the device, with ``offload_optimizer="host"`` (the update streamed
   through the device slice by slice; the same with ``offload_params``; the
-  update on the host), and for the same model trained by plain
+  update on the host's CPU devices; the same delayed one step), and for the
+  same model trained by plain
   ``jax.jit`` + optax without zero_jax (the baseline);
 - capacity: the largest model of the size ladder that trains, with and
   without optimizer offload.
@@ -52,8 +53,13 @@ MODES = {
     "zero_jax stage 3 + offload": {"offload_optimizer": "host"},
     "zero_jax stage 3 + offload + offload_params": {
         "offload_optimizer": "host", "offload_params": "host"},
+    # ZeRO-Offload's split: the update is the host's own program.
     "zero_jax stage 3 + offload, update on host": {
         "offload_optimizer": "host", "update_on": "host"},
+    # ... overlapped with the next step (one update late: other math).
+    "zero_jax stage 3 + offload, update on host, delayed": {
+        "offload_optimizer": "host", "update_on": "host",
+        "delay_update": True},
 }
 _OFFLOADS = [m for m in MODES if m.startswith("zero_jax stage 3 + offload")]
 _LADDER_MODES = ("zero_jax stage 3", "zero_jax stage 3 + offload",
@@ -104,6 +110,10 @@ def run_one(run: Run) -> dict:
   from zero_jax.memory import compiled_memory, param_count  # pylint: disable=g-import-not-at-top
   from zero_jax.models import GPT, GPTConfig, make_loss_fn  # pylint: disable=g-import-not-at-top
 
+  if not run.tiny and (MODES[run.mode] or {}).get("update_on") == "host":
+    # One CPU device per core for the host's update (before JAX starts;
+    # each run is a fresh process).
+    jax.config.update("jax_num_cpu_devices", os.cpu_count())
   d, layers, heads = (TINY_SIZES if run.tiny else SIZES)[run.size]
   cfg = GPTConfig(vocab_size=256 if run.tiny else 50304, seq_len=run.seq_len,
                   d_model=d, n_layers=layers, n_heads=heads,
@@ -147,8 +157,8 @@ def run_one(run: Run) -> dict:
     state = engine.init(params)
     batch = engine.shard_batch(batch)
     compiled = engine.step.lower(state, batch).compile()
-  # Ahead-of-time compilation ignores compute_on("device_host") (JAX issue
-  # 27825): a step that updates on the host runs through the jit dispatch.
+  # With the update on the host a step is two programs (the device's,
+  # compiled above, and the host's): it runs through engine.step.
   runner = (engine.step if overrides and overrides.get("update_on") == "host"
             else compiled)
   del params

@@ -5,9 +5,11 @@ and updates them on the CPU, so the host's update rate bounds the step.
 This measures the rate of one AdamW update (parameters per second, and per
 core) over ``--params`` fp32 parameters:
 
-- XLA:CPU, ``optax.adamw`` in one jit, the state sharded over 1 CPU device
-  and over one CPU device per core (each configuration in its own process:
-  the device count is fixed when JAX starts);
+- XLA:CPU: zero_jax's host update (``zero_jax.host_update``, the program
+  ``update_on="host"`` runs: ``optax.adamw`` and the cast to the bf16
+  compute copy), the state split over 1 CPU device and over one CPU device
+  per core (each configuration in its own process: the device count is
+  fixed when JAX starts);
 - torch's fused CPU AdamW (``torch.optim.AdamW(fused=True)``) on all cores,
   the peer (torch is a benchmark-only dependency: skipped if missing).
 
@@ -40,28 +42,28 @@ def _xla(n: int, devices: int, reps: int) -> float:
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
 
-  mesh = jax.make_mesh((devices,), ("d",))
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
-  tx = optax.adamw(1e-3, weight_decay=0.1)
-  with jax.set_mesh(mesh):
-    p = jax.device_put(jnp.ones((n,), jnp.float32), sharding)
-    g = jax.device_put(jnp.full((n,), 1e-3, jnp.float32), sharding)
-    state = [p, jax.jit(tx.init)(p)]
+  from zero_jax.host_update import HostUpdate  # pylint: disable=g-import-not-at-top
 
-    @jax.jit
-    def update(p, s, g):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
+  # The update_on="host" program itself: AdamW over the master split across
+  # the CPU devices, and the new bf16 compute copy cast from it.
+  shapes = {"w": jax.ShapeDtypeStruct((n,), jnp.float32)}
+  host = HostUpdate(optax.adamw(1e-3, weight_decay=0.1), shapes,
+                    jax.devices())
+  master = host.put({"w": np.ones(n, np.float32)})
+  state = [master, host.init(master)]
+  grads = host.put({"w": np.full(n, 1e-3, np.float32)})
+  prepare = lambda g, extra: (g, None, None)
 
-    update = jax.jit(update, donate_argnums=(0, 1))
+  def step():
+    state[0], state[1], copy, _ = host.update(
+        grads, state[0], state[1], {}, prepare=prepare,
+        compute_dtype=jnp.bfloat16)
+    copy["w"].block_until_ready()
 
-    def step():
-      state[0], state[1] = update(state[0], state[1], g)
-      state[0].block_until_ready()
-
-    return _rate(step, n, reps)
+  return _rate(step, n, reps)
 
 
 def _torch(n: int, reps: int) -> float | None:
@@ -93,16 +95,21 @@ def main(argv=None):
     return
   cores = os.cpu_count()
   rows = []
+  # (The workers import zero_jax from this checkout.)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      filter(None, [root, os.environ.get("PYTHONPATH")])))
   # Per core is over all the host's cores: one XLA:CPU device runs its
   # computation on the process's whole thread pool, not on one core.
   for name, worker, used in (
-      ("XLA:CPU, optax.adamw, 1 CPU device", "xla:1", cores),
-      (f"XLA:CPU, optax.adamw, {cores} CPU devices", f"xla:{cores}", cores),
+      ("zero_jax host update (XLA:CPU), 1 CPU device", "xla:1", cores),
+      (f"zero_jax host update (XLA:CPU), {cores} CPU devices", f"xla:{cores}",
+       cores),
       (f"torch fused AdamW, {cores} threads", "torch:0", cores)):
     out = subprocess.run([sys.executable, __file__, "--worker", worker,
                           "--params", str(args.params), "--reps",
                           str(args.reps)], capture_output=True, text=True,
-                         check=True)
+                         check=True, env=env)
     rate = json.loads(out.stdout.strip().splitlines()[-1])
     rows.append((name, rate, used))
     print(name, "skipped (no torch)" if rate is None else

@@ -29,9 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zero_jax import distributed  # noqa: E402
 
 # First, before anything touches devices (tests._models creates arrays at
-# import time); twice, to check that a second call is a no-op.
-distributed.initialize()
-distributed.initialize()
+# import time); twice, to check that a second call is a no-op. ("loop" is
+# killed by the tests: a short heartbeat timeout ends its survivor sooner.)
+_HEARTBEAT = dict(heartbeat_timeout_seconds=10) if sys.argv[1] == "loop" else {}
+distributed.initialize(**_HEARTBEAT)
+distributed.initialize(**_HEARTBEAT)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

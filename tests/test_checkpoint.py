@@ -40,11 +40,12 @@ def _worker(devices, *args, **kwargs):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-  """5 steps at stage 3 on 8 devices, saved with and without offload; and
-  the uninterrupted 10-step run."""
+  """5 steps at stage 3 on 8 devices, saved without offload, with offload,
+  and with the update on the host; and the uninterrupted 10-step run."""
   root = tmp_path_factory.mktemp("ckpt")
   dirs, first = {}, {}
-  for name, overrides in (("plain", {}), ("offload", OFFLOAD)):
+  for name, overrides in (("plain", {}), ("offload", OFFLOAD),
+                          ("host", dict(OFFLOAD, update_on="host"))):
     engine = _engine(3, **overrides)
     state, first[name] = m.run_steps(engine, engine.init(m.mlp_params()),
                                 BATCHES[:5])
@@ -53,7 +54,7 @@ def saved(tmp_path_factory):
       ckpt.save(state, engine=engine)
   engine = _engine(3)
   state, losses = m.run_steps(engine, engine.init(m.mlp_params()), BATCHES)
-  assert first["plain"] == first["offload"] == losses[:5]
+  assert first["plain"] == first["offload"] == first["host"] == losses[:5]
   return dirs, losses, engine.gather_params(state)
 
 
@@ -66,8 +67,8 @@ def _assert_uninterrupted(losses, params, saved):
 # Which checkpoint restores into which config: every offload combination.
 JOBS_4 = [("plain", 1, {}), ("offload", 1, {}),
           ("plain", 1, {"offload_optimizer": "host"})]
-JOBS_1 = [("plain", 0, {}), ("offload", 0, {}),
-          ("plain", 3, OFFLOAD), ("offload", 2, {"offload_optimizer": "host"})]
+JOBS_1 = [("host", 0, {}), ("offload", 0, {}), ("plain", 3, OFFLOAD),
+          ("offload", 2, {"offload_optimizer": "host", "update_on": "host"})]
 
 
 def test_restore_at_stage_1_on_4_devices_in_another_process(saved, tmp_path):

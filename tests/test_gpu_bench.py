@@ -36,7 +36,9 @@ def test_every_mode_trains_and_is_reported(tmp_path):
   assert "step time / baseline" in md and "step time / no offload" in md
   assert "update on host: step time / no offload" in md
   assert "largest model that trains, zero_jax stage 3: tiny" in md
-  assert len(json.loads((tmp_path / "gpu_bench.json").read_text())) == 4
+  assert "update on host, delayed: step time / no offload" in md
+  assert len(json.loads((tmp_path / "gpu_bench.json").read_text())) == (
+      len(modes) + 1)
 
 
 def test_plan_walks_the_ladder_from_1_3b():

@@ -37,8 +37,6 @@ GIB = 2 ** 30
 _TINY = dict(layers=4, hidden=128, heads=4, vocab=64, seq_len=16,
              micro_batch=2)
 # The reference GPT (vocabulary 50304, sequence 1024), batch 16 on one GPU.
-_125M = dict(layers=12, hidden=768, heads=12, vocab=50304, seq_len=1024,
-             micro_batch=16)
 _1_3B = dict(layers=24, hidden=2048, heads=16, vocab=50304, seq_len=1024,
              micro_batch=16)
 
@@ -106,7 +104,7 @@ def test_stage3_temp_grows_by_the_added_layers_shards_not_their_params():
   # layers' fp32 gradient shards and the update's temporaries on the shards
   # (4 + 4 bytes a parameter over N) and their saved inputs; not by their
   # full parameters. (Measured: 0.89 bytes a parameter at N = 8.)
-  _, four = _tiny(3, layers=4)
+  _, four = _tiny(3)  # (the cached 4-layer step)
   _, eight = _tiny(3, layers=8)
   added = eight.params - four.params
   saved_acts = 4 * (2 * 16 * 128) * 2   # 4 layers x (B/N, T, d) bf16
@@ -116,12 +114,12 @@ def test_stage3_temp_grows_by_the_added_layers_shards_not_their_params():
   assert growth < 2 * added
 
 
-@pytest.mark.parametrize("shape,real_gib", [(_125M, 6.8), (_1_3B, 27.8)])
-def test_reference_gpt_peak_matches_a_real_h100(shape, real_gib):
-  _, c = _one_h100(**shape)
+def test_reference_gpt_peak_matches_a_real_h100():
+  # (The 1.3B step is the one the offload tests compare with; a real H100
+  # also measured the 125M one, 6.8 GiB, which compiles to 6.83.)
+  _, c = _one_h100(**_1_3B)
   assert c.memory.host == 0
-  assert abs(c.memory.peak / GIB - real_gib) <= 0.05 * real_gib, (
-      c.memory.peak / GIB)
+  assert abs(c.memory.peak / GIB - 27.8) <= 0.05 * 27.8, c.memory.peak / GIB
 
 
 @functools.cache
@@ -155,6 +153,12 @@ _WIDE = dict(layers=4, hidden=1024, heads=8, vocab=1024, seq_len=32,
              micro_batch=1)
 
 
+@functools.cache
+def _wide_plain():
+  """The wide shape without offload (shared)."""
+  return compile_gpt("h100", 1, 3, **_WIDE)[1]
+
+
 _COPIES = (" copy-start(", " copy(", "dynamic-slice-start", " dynamic-slice(")
 
 
@@ -174,7 +178,7 @@ def _host_copies(hlo: str) -> list[tuple[str, str, int]]:
 
 def test_streamed_update_copies_one_slice_per_iteration(monkeypatch):
   monkeypatch.setattr(stream, "SLICE_BYTES", 4 << 20)
-  _, plain = compile_gpt("h100", 1, 3, **_WIDE)
+  plain = _wide_plain()
   engine, opt = compile_gpt("h100", 1, 3, offload_optimizer=True, **_WIDE)
   _, both = compile_gpt("h100", 1, 3, offload_optimizer=True,
                         offload_params=True, **_WIDE)
@@ -197,6 +201,24 @@ def test_streamed_update_copies_one_slice_per_iteration(monkeypatch):
       assert 4 * elements <= stream.SLICE_BYTES, line
   cut = [k for k, _ in engine._streamer.calls if k > 1]  # pylint: disable=protected-access
   assert cut and min(cut) >= 4
+
+
+def test_host_update_leaves_the_device_the_compute_copy():
+  # update_on="host": the device's program reads only the bf16 copy (and
+  # the batch), writes the fp32 gradient shards to host memory as backward
+  # makes them, and computes nothing on the host; master and moments never
+  # enter it.
+  plain = _wide_plain()
+  engine, host = compile_gpt("h100", 1, 3, offload_optimizer=True,
+                             update_on="host", **_WIDE)
+  assert host.memory.peak <= 0.40 * plain.memory.peak
+  assert host.memory.argument <= 2.05 * host.params
+  assert 3.95 * host.params <= host.memory.host <= 4.05 * host.params
+  assert '_xla_compute_type="host"' not in host.hlo
+  est = zj.estimate_memory(host.params, 1, 3, compute_dtype="bfloat16",
+                           offload_optimizer=True, update_on="host")
+  assert est.params == 2 * host.params and est.host == 12 * host.params
+  assert "host update over" in engine.describe()
 
 
 @pytest.mark.parametrize("offload", [

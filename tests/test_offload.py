@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from tests import _models as m
@@ -46,8 +47,16 @@ def _plain(model, **config):
 
 
 def _check_placement(state, stage, compute_dtype=None, offload_optimizer=None,
-                     offload_params=None, **_):
+                     offload_params=None, update_on="device", **_):
   kind = lambda on_host: HOST if on_host else DEVICE
+  if update_on == "host":
+    # Master and optimizer state on the host's CPU devices; the compute copy
+    # where forward reads it.
+    for x in jax.tree.leaves((state.params, state.opt_state)):
+      assert x.sharding.mesh.axis_names == ("host",)
+    for x in jax.tree.leaves(state.compute_params):
+      assert x.sharding.memory_kind == kind(offload_params)
+    return
   want = kind(offload_optimizer)
   for path, x in jax.tree_util.tree_leaves_with_path(state.opt_state):
     assert x.sharding.memory_kind == want, ("opt_state",
@@ -201,6 +210,99 @@ def test_streamed_update_equals_the_update_without_offload(opt, config,
   counts = [x for x in jax.tree.leaves(state.opt_state)
             if np.asarray(x).dtype == np.int32]
   assert all(int(c) == steps for c in counts)
+
+
+@pytest.mark.parametrize("opt,config", [
+    ("clip_adam", dict(stage=3, compute_dtype="bfloat16")),
+    ("adamw", dict(stage=2, compute_dtype="float16", clip_grad_norm=0.05)),
+    ("adafactor", dict(stage=3, offload_params="host")),
+], ids=lambda c: c if isinstance(c, str) else "-".join(
+    f"{k}={v}" for k, v in c.items()))
+def test_host_update_runs_on_the_spare_cpu_devices_and_changes_nothing(
+    opt, config):
+  # The mesh takes 4 of the 8 CPU devices; the update runs on the other 4,
+  # as it runs on the CPU beside a GPU: two programs on disjoint devices.
+  # Any chain is exact there, a global norm inside tx included.
+  def run(**extra):
+    engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](),
+                       zj.ZeroConfig(min_shard_elements=0, **config, **extra),
+                       zj.make_mesh(num_devices=4))
+    state = engine.init(m.mlp_params())
+    losses = []
+    for batch in m.mlp_batches(3):
+      state, metrics = engine.step(state, batch)
+      losses.append(float(metrics["loss"]))
+    return engine, state, losses
+
+  engine, state, losses = run(offload_optimizer="host", update_on="host")
+  _, ref, ref_losses = run()
+  used = set(engine.mesh.devices.flat)
+  for x in jax.tree.leaves((state.params, state.opt_state)):
+    assert len(x.sharding.device_set) == 4
+    assert x.sharding.device_set.isdisjoint(used)
+  assert "host update over 4 CPU device(s)" in engine.describe()
+  # (A global norm sums in another order over another layout: last bits.)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  for x, y in zip(jax.tree.leaves((state.params, state.opt_state)),
+                  jax.tree.leaves((ref.params, ref.opt_state))):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0,
+                               atol=1e-6)
+
+
+def test_delay_update_applies_each_gradient_one_update_late():
+  tx = m.OPTIMIZERS["adamw"]()
+  batches = m.mlp_batches(4)
+  engine = zj.Engine(m.mlp_loss, tx, zj.ZeroConfig(
+      stage=3, min_shard_elements=0, offload_optimizer="host",
+      update_on="host", delay_update=True), zj.make_mesh(num_devices=4))
+  state = engine.init(m.mlp_params())
+  losses = []
+  for batch in batches:
+    state, metrics = engine.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert "delay_update" in engine.describe()
+  # Plain optax on one device, each gradient taken at the parameters from
+  # before the previous update (DeepSpeed's delayed parameter update).
+  p = before = m.mlp_params()
+  opt_state, ref = tx.init(p), []
+  for batch in batches:
+    loss, g = jax.value_and_grad(m.mlp_loss)(before, batch)
+    ref.append(float(loss))
+    updates, opt_state = tx.update(g, opt_state, p)
+    before, p = p, optax.apply_updates(p, updates)
+  np.testing.assert_allclose(losses, ref, rtol=1e-6)
+  out = engine.gather_params(state)
+  for k in p:
+    np.testing.assert_allclose(np.asarray(out[k]), np.asarray(p[k]), rtol=0,
+                               atol=1e-6)
+  with pytest.raises(ValueError, match="update_on='host'"):
+    zj.ZeroConfig(offload_optimizer="host", delay_update=True)
+
+
+def test_host_update_layout_warnings_and_limits(monkeypatch):
+  from zero_jax import host_update  # pylint: disable=g-import-not-at-top
+  host = host_update.HostUpdate(
+      optax.adam(1e-3), {"w": jax.ShapeDtypeStruct((6, 8), np.float32)},
+      jax.devices()[:4])
+  # The first axis each device can take a block of, else another; else
+  # whole on each (and said so).
+  spec = lambda shape: host.sharding(shape).spec
+  assert spec((8, 6)) == P("host") and spec((6, 8)) == P(None, "host")
+  assert spec((6, 3)) == P() and spec(()) == P()
+  assert host.replicated_bytes([jnp.zeros((6, 3))]) == 72
+  config = zj.ZeroConfig(offload_optimizer="host", update_on="host")
+  # One CPU device (the default beside a GPU): a warning names the fix.
+  monkeypatch.setattr(host_update, "host_devices",
+                      lambda mesh: jax.devices()[:1])
+  engine = zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
+                     zj.make_mesh(num_devices=8))
+  with pytest.warns(UserWarning, match="jax_num_cpu_devices"):
+    engine.init(m.mlp_params())
+  # Several processes: the update would need the others' CPU devices.
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match="update_on='device'"):
+    zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
+              zj.make_mesh(num_devices=8))
 
 
 def test_streamed_update_refuses_a_global_norm_in_the_chain():

@@ -166,7 +166,7 @@ def compile_step(engine, params: Any, batch: Any) -> CompiledStep:
   state = engine.abstract_state(params)
   batch = abstract_batch(engine, batch)
   with jax.set_mesh(engine.mesh):
-    compiled = engine.step.jitted.lower(state, batch).compile()
+    compiled = engine.step.lower(state, batch).compile()
   text = compiled.as_text()
   return CompiledStep(memory=memory.compiled_memory(compiled),
                       collectives=hlo.summarize_by_dtype(text), hlo=text,

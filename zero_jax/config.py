@@ -92,11 +92,21 @@ class ZeroConfig:
       device holds a few slices of master and moments, never all of them.
       Exact for updates that keep rows and leaves apart (adam, adamw, lion,
       sgd, adafactor); a global norm in ``tx`` is an error that names
-      ``clip_grad_norm``. ``"host"`` runs the update on
-      the host (``jax.experimental.compute_on``), so the optimizer state
-      never occupies device memory. Call ``engine.step`` itself then:
-      ahead-of-time compilation (``engine.step.lower(...).compile()``)
-      ignores ``compute_on`` on accelerators (JAX issue 27825).
+      ``clip_grad_norm``. ``"host"`` is ZeRO-Offload's
+      split (``zero_jax.host_update``): master and optimizer state live in
+      host RAM on this process's CPU devices, a program of their own
+      updates them there with every core, and only gradients (down) and
+      the compute copy (up) cross to the device, which holds the compute
+      copy, gradients and activations. Give JAX one CPU device per core
+      (``jax.config.update("jax_num_cpu_devices", os.cpu_count())`` before
+      JAX starts). Any optax chain is exact. Single-process runs only.
+    delay_update: with ``update_on="host"``, DeepSpeed's one-step delayed
+      parameter update: each step's forward and backward read the
+      parameters from before the previous step's update (the first step
+      after ``init`` or a restore reads the current ones), so the host
+      updates step t while the device computes step t+1. This changes the
+      math: every gradient is applied one update late. It hides the host
+      update's time; the device briefly holds two compute copies.
   """
 
   stage: int = 3
@@ -119,6 +129,7 @@ class ZeroConfig:
   offload_optimizer: str | None = None
   offload_params: str | None = None
   update_on: str = "device"
+  delay_update: bool = False
 
   def __post_init__(self):
     if isinstance(self.stage, bool) or self.stage not in _STAGES:
@@ -190,6 +201,13 @@ class ZeroConfig:
     if self.update_on not in ("device", "host"):
       raise ValueError(f"ZeroConfig.update_on must be 'device' or 'host', "
                        f"got {self.update_on!r}")
+    if self.delay_update not in (False, True):
+      raise ValueError(f"ZeroConfig.delay_update must be True or False, got "
+                       f"{self.delay_update!r}")
+    if self.delay_update and self.update_on != "host":
+      raise ValueError("ZeroConfig.delay_update overlaps the host's update "
+                       "with the next step: set update_on='host' (and "
+                       "offload_optimizer='host') too")
     if self.update_on == "host" and not (self.offload_optimizer
                                          or self.offload_params):
       raise ValueError("ZeroConfig.update_on='host' runs the update where "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -11,7 +13,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import _compat, collectives, layers, loss_scale as _ls, stream
+from zero_jax import (_compat, collectives, host_update, layers,
+                      loss_scale as _ls, stream)
 from zero_jax.config import ZeroConfig
 from zero_jax.mesh import DATA, REPLICA, batch_axes, layout_mesh
 from zero_jax.placement import Placement
@@ -84,7 +87,10 @@ class _StepFunction:
 
   ``engine.step.lower(state, batch)`` returns the jitted step's ``Lowered``,
   so ``.compile()`` gives the compiled step for memory and HLO analysis;
-  ``engine.step.jitted`` is the raw ``jax.jit`` function.
+  ``engine.step.jitted`` is the raw ``jax.jit`` function. (With
+  ``update_on="host"`` that is the device's program: it takes the state
+  without ``params`` and ``opt_state``, and returns the gradients for the
+  host's update beside the state and metrics.)
   """
 
   def __init__(self, engine: "Engine"):
@@ -101,7 +107,12 @@ class _StepFunction:
   def __call__(self, state: TrainState, batch: Any):
     jitted = self.jitted
     self.check()
-    state, metrics = jitted(state, self._engine.shard_batch(batch))
+    engine = self._engine
+    batch = engine.shard_batch(batch)
+    if engine._host is None:
+      state, metrics = jitted(state, batch)
+    else:
+      state, metrics = engine._host_step(state, batch)
     self._at_min = metrics.get("overflow_at_min_scale")
     return state, metrics
 
@@ -118,7 +129,14 @@ class _StepFunction:
 
   def lower(self, state: TrainState, batch: Any):
     jitted = self.jitted
+    if self._engine._host is not None:
+      state = _device_part(state)
     return jitted.lower(state, self._engine.shard_batch(batch))
+
+
+def _device_part(state: TrainState) -> TrainState:
+  """What the device's program reads with update_on="host"."""
+  return dataclasses.replace(state, params=None, opt_state=None)
 
 
 class Engine:
@@ -174,7 +192,17 @@ class Engine:
     # Where master, moments, gradients and the compute copy live, and where
     # the update runs: decided once (zero_jax.placement).
     self.placement = Placement.of(config, self.grad_accum_steps)
+    if self.placement.update == "host" and jax.process_count() > 1:
+      raise ValueError(
+          "ZeroConfig(update_on='host') updates on this process's CPU "
+          "devices and supports single-process runs; with "
+          f"{jax.process_count()} processes use update_on='device' (the "
+          "offloaded state is then streamed through the device)")
     self._jitted = None
+    self._host = None
+    # delay_update: (the master the last step returned, its compute copy
+    # still on the host's CPU devices), for the step after next.
+    self._pending = None
     self.step = _StepFunction(self)
     self.param_plan: Plan | None = None
     self.opt_plan: Plan | None = None
@@ -227,6 +255,23 @@ class Engine:
     compute_shardings = {"replicated": replicated_tree,
                          "sharded": self.param_plan.shardings,
                          None: None}[pl.compute_copy]
+    self._host = self._pending = None
+    if pl.update == "host":
+      # ZeRO-Offload's split: master and optimizer state on the host's CPU
+      # devices, updated there by a program of their own.
+      self._host = host_update.HostUpdate(
+          self.tx, master, host_update.host_devices(self.mesh))
+      if self._host.k == 1 and (os.cpu_count() or 1) > 1:
+        warnings.warn(
+            "update_on='host' has 1 CPU device, so the update may use one "
+            f"core of {os.cpu_count()}: call jax.config.update("
+            "'jax_num_cpu_devices', os.cpu_count()) before JAX starts "
+            "(before anything creates an array or lists devices).",
+            stacklevel=3)
+      param_shardings = self._host.master_shardings
+      opt_shardings = self._host.opt_shardings
+      if pl.compute_memory == "pinned_host":
+        compute_shardings = _on_host(compute_shardings)
     self.state_shardings = TrainState(
         step=replicated, params=param_shardings,
         opt_state=opt_shardings, rng=replicated,
@@ -243,8 +288,25 @@ class Engine:
                                        leaves(self.param_plan),
                                        leaves(self.opt_plan), self.n,
                                        stream.SLICE_BYTES)
-    self._jitted = jax.jit(self._train_step, donate_argnums=0,
-                           out_shardings=(self.state_shardings, replicated))
+    if self._host is None:
+      self._jitted = jax.jit(self._train_step, donate_argnums=0,
+                             out_shardings=(self.state_shardings, replicated))
+    else:
+      # The device's program: gradients out for the host's update (in host
+      # memory where backward sends them there). Nothing is donated: no
+      # output takes an input's place; the step deletes the old compute
+      # copy once this is dispatched.
+      grads = replicated_tree if cfg.stage == 0 else self.param_plan.shardings
+      if pl.grads_on_host:
+        grads = jax.tree.map(
+            lambda lp, sh: sh.with_memory_kind("pinned_host") if lp.sharded
+            else sh, self.param_plan.leaves, grads,
+            is_leaf=lambda x: isinstance(x, LeafPlan))
+      self._jitted = jax.jit(
+          self._train_step,
+          out_shardings=(dataclasses.replace(
+              _device_part(self.state_shardings), compute_params=None,
+              loss_scale=None), replicated, grads))
 
   # ------------------------------------------------------------------ API
 
@@ -260,6 +322,8 @@ class Engine:
       The initial ``TrainState``.
     """
     self._build(params)
+    if self._host is not None:
+      return self._host_state(params)
     make_state, args = self._initializer(params)
     # Always a copy (may_alias=False): later steps donate the state, and that
     # must never invalidate the caller's arrays.
@@ -312,6 +376,66 @@ class Engine:
     # sharded leaf.
     return (jax.jit(self._make_state, out_shardings=sh),
             (jax.tree.map(sds, params, self._device_params),))
+
+  def _host_state(self, params: Any) -> TrainState:
+    """The initial state with update_on="host": master and optimizer state
+    built on the host's CPU devices, the compute copy sent to the device."""
+    pl = self.placement
+    host = self._host
+    master = jax.jit(lambda p: jax.tree.map(
+        lambda x: x.astype(jnp.float32), p),
+                     out_shardings=host.master_shardings)(host.put(params))
+    rest = jax.jit(lambda: TrainState(
+        step=jnp.zeros((), jnp.int32), params=None, opt_state=None,
+        rng=jax.random.PRNGKey(self.config.seed),
+        loss_scale=_ls.init(self.config) if pl.loss_scaling else None),
+                   out_shardings=dataclasses.replace(
+                       _device_part(self.state_shardings),
+                       compute_params=None))()
+    return dataclasses.replace(rest, params=master,
+                               opt_state=host.init(master),
+                               compute_params=self._host_copy(master))
+
+  def _host_copy(self, master: Any) -> Any:
+    """The compute copy, cast from the host's master, on the device."""
+    copy = jax.jit(lambda m: jax.tree.map(
+        lambda x: x.astype(self.placement.copy_dtype), m),
+                   out_shardings=self._host.master_shardings)(master)
+    return jax.device_put(copy, self.state_shardings.compute_params)
+
+  def _host_step(self, state: TrainState, batch: Any):
+    """``step`` with update_on="host": the device's program, then the
+    host's update (dispatched asynchronously, like any jitted call)."""
+    new, metrics, grads = self._jitted(_device_part(state), batch)
+    master, opt_state, copy, (loss_scale, more) = self._host.update(
+        grads, state.params, state.opt_state,
+        {"step": state.step, "loss_scale": state.loss_scale},
+        prepare=self._host_prepare, compute_dtype=self.placement.copy_dtype)
+    metrics.update(more)
+    if loss_scale is not None:
+      loss_scale = jax.device_put(loss_scale, self.state_shardings.loss_scale)
+    to_device = lambda c: jax.device_put(c,
+                                         self.state_shardings.compute_params)
+    if not self.config.delay_update:
+      compute = to_device(copy)
+    else:
+      # The next step reads the copy this step's update started from (made
+      # by the last step's update, sent up now), not the one being made: the
+      # device need not wait for the host, whose update of this step runs
+      # while the device computes the next. (Only for the state the last
+      # step returned; after init or a restore the state's own copy.)
+      pending, self._pending = self._pending, (master, copy)
+      compute = (to_device(pending[1])
+                 if pending and pending[0] is state.params
+                 else state.compute_params)
+    if compute is not state.compute_params:
+      # The state is donated: its compute copy goes before the new one
+      # comes, so the device holds no more copies than it must.
+      for x in jax.tree.leaves(state.compute_params):
+        x.delete()
+    return dataclasses.replace(
+        new, params=master, opt_state=opt_state, loss_scale=loss_scale,
+        compute_params=compute), metrics
 
   def _streamed_make_state(self, params: Any, master: list,
                            opt: list) -> TrainState:
@@ -391,7 +515,9 @@ class Engine:
     pl = self.placement
     sh = self.state_shardings
     compute = loss_scale = None
-    if sh.compute_params is not None:
+    if self._host is not None:
+      compute = self._host_copy(state.params)
+    elif sh.compute_params is not None:
       def cast(master):
         # (An offloaded master is cast on the device, shard by shard.)
         return self._compute_copy(
@@ -414,12 +540,13 @@ class Engine:
     treedef = self._treedef
 
     def gather(p):
-      p = jax.device_put(p, _on_device(self._device_params))  # if offloaded
       leaves = [x.astype(dt) for x, dt in zip(jax.tree.leaves(p), dtypes)]
       return treedef.unflatten(leaves)
 
     out = jax.tree.map(lambda _: self._sharding(P()), state.params)
-    return jax.jit(gather, out_shardings=out)(state.params)
+    # (From host memory or the host's CPU devices, if offloaded.)
+    params = jax.device_put(state.params, _on_device(self._device_params))
+    return jax.jit(gather, out_shardings=out)(params)
 
   def shard_batch(self, batch: Any) -> Any:
     """Places a batch on the mesh, split over ``data`` on the leading dim.
@@ -431,8 +558,8 @@ class Engine:
     nproc = jax.process_count()
 
     def place(x):
-      if isinstance(x, jax.Array):
-        return x
+      if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return x  # (shapes: for lowering)
       x = np.asarray(x)
       self._check_batch_dim(x.shape, nproc * x.shape[0] if x.ndim else None)
       return jax.make_array_from_process_local_data(self.batch_sharding, x)
@@ -468,6 +595,13 @@ class Engine:
     lines.extend(pl.describe())
     if self._streamer is not None:
       lines.extend(self._streamer.describe())
+    if self._host is not None:
+      lines.append(self._host.describe())
+      if self.config.delay_update:
+        lines.append("delay_update: each step reads the parameters from "
+                     "before the previous step's update (DeepSpeed's "
+                     "delayed parameter update), so the host's update "
+                     "overlaps the next step")
     cfg = self.config
     if pl.loss_scaling:
       lines.append("float16 loss scaling: " + (
@@ -534,17 +668,20 @@ class Engine:
     # Scaling by 1/(devices * micro-batches) makes the summed gradient the
     # mean over the global batch.
     divisor = self.num_devices * accum
-    unflatten = lambda full: jax.tree.unflatten(jax.tree.structure(params),
-                                                full)
+    structure = jax.tree.structure(params if params is not None else
+                                   compute_params)
+    unflatten = lambda full: jax.tree.unflatten(structure, full)
 
     # Stage 3 gathers from something other than the fp32 master shards when
     # the master is offloaded: the sharded compute copy, or (offload_params)
     # the master in host memory, copied to the device layer by layer.
-    gather_from = pl.gather_from in ("compute", "host_master")
-    to_device = pl.gather_from == "host_master"
+    gather_from = pl.gather_from in ("compute", "host_master", "host_compute")
+    to_device = pl.gather_from in ("host_master", "host_compute")
     # Gradients go to the host for the leaves the update streams slice by
     # slice; small (whole) leaves gain nothing from the round trip.
-    grads_to_host = [pl.grads_on_host and l in self._streamer.cuts
+    # (With update_on="host", every sharded leaf's.)
+    grads_to_host = [pl.grads_on_host and (self._streamer is None or
+                                           l in self._streamer.cuts)
                      for l in range(len(leaves(plans)))]
     on_device = ((lambda x: jax.device_put(x, jax.memory.Space.Device))
                  if pl.master_on_host else (lambda x: x))
@@ -581,10 +718,14 @@ class Engine:
             z = jax.device_put(z, jax.memory.Space.Host)
           return jax.lax.pcast(z, DATA, to="varying")
 
+        # (Replicated leaves are differentiated in float32 as themselves:
+        # the master, or with update_on="host", which leaves the master on
+        # the host, the compute copy widened.)
+        whole = leaves(params if params is not None else source)
         wrt = unflatten([
-            stand_in(lp, to_host) if lp.sharded else varying(on_device(p))
-            for lp, p, to_host in zip(leaves(plans), leaves(params),
-                                      grads_to_host)])
+            stand_in(lp, to_host) if lp.sharded else
+            varying(on_device(p).astype(jnp.float32))
+            for lp, p, to_host in zip(leaves(plans), whole, grads_to_host)])
       else:
         # Stage 3: the shards themselves; gather at use, and the gather's
         # transpose reduce-scatters.
@@ -662,7 +803,8 @@ class Engine:
       return g, loss, aux
 
     replicated = self.param_plan.replicated_specs
-    in_params = self.param_plan.specs if pl.master_sharded else replicated
+    in_params = (None if params is None else self.param_plan.specs
+                 if pl.master_sharded else replicated)
     in_compute = {"replicated": replicated, "sharded": self.param_plan.specs,
                   None: None}[pl.compute_copy]
     grad_specs = replicated if stage == 0 else self.param_plan.specs
@@ -725,52 +867,40 @@ class Engine:
     return master, opt_state, device_master
 
   def _whole_update(self, state, grads, shards, finite):
-    """The update on whole (sharded) arrays: on the device, or with
-    update_on="host" on the host, where offloaded state is copied whole."""
-    on_host = self.placement.update == "host"
-    where = _on_host if on_host else _on_device
+    """The update on whole (sharded) arrays in device memory."""
     # (Stages 1-2 with fp32 compute: slicing the replicated master to its
     # shard is local, no communication.)
-    master = jax.device_put(state.params, where(shards))
-    opt_state = jax.device_put(state.opt_state, where(self._device_opt))
+    master = jax.device_put(state.params, _on_device(shards))
+    opt_state = jax.device_put(state.opt_state, _on_device(self._device_opt))
 
-    def update(master, opt_state, grads, finite):
-      def apply(master, opt_state):
-        updates, opt_state = self.tx.update(grads, opt_state, master)
-        return optax.apply_updates(master, updates), opt_state
+    def apply(master, opt_state):
+      updates, opt_state = self.tx.update(grads, opt_state, master)
+      return optax.apply_updates(master, updates), opt_state
 
-      if finite is None:
-        return apply(master, opt_state)
-      if on_host:
-        # (Under compute_on, cond's branches disagree on memory kinds.)
-        new = apply(master, opt_state)
-        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
-                            (master, opt_state))
-      return jax.lax.cond(finite, apply, lambda m, o: (m, o), master,
-                          opt_state)
+    if finite is None:
+      return apply(master, opt_state)
+    return jax.lax.cond(finite, apply, lambda m, o: (m, o), master,
+                        opt_state)
 
-    if not on_host:
-      return update(master, opt_state, grads, finite)
-    grads = jax.device_put(grads, _on_host(shards))
-    if finite is not None:
-      finite = jax.device_put(finite, _on_host(self._sharding(P())))
-    return _compat.on_host(update)(master, opt_state, grads, finite)
+  def _prepare(self, grads, step, loss_scale, streamed: bool = False):
+    """From summed gradients to the ones to apply: unscaled (float16),
+    their global norm, one overflow flag, the loss scale's update, and
+    clipping. The device step and the host's update (update_on="host") both
+    run it.
 
-  def _train_step(self, state: TrainState, batch: Any):
+    With ``streamed`` the gradients are in host memory: their norm and
+    finiteness are read a slice at a time, and the update unscales and
+    clips each slice as it reads it (through the returned ``grad_fn``).
+
+    Returns:
+      ``(grads, finite, grad_fn, loss_scale, metrics)``: ``finite`` is None
+      without loss scaling.
+    """
     pl = self.placement
-    for x in jax.tree.leaves(batch):
-      self._check_batch_dim(x.shape, x.shape[0] if x.ndim else None)
     cfg = self.config
-    stage = cfg.stage
-    rng = jax.random.fold_in(state.rng, state.step)
-    scale = state.loss_scale.scale if pl.loss_scaling else None
-    grads, loss, aux = self._loss_and_grads(state.params, state.compute_params,
-                                            batch, rng, scale)
+    scale = loss_scale.scale if pl.loss_scaling else None
     unscale = (lambda g: g) if scale is None else (lambda g: g / scale)
-    if pl.grads_on_host:
-      # The gradients are in host memory: their norm and finiteness are
-      # read a slice at a time, and the update unscales and clips each
-      # slice as it reads it.
+    if streamed:
       norm, all_finite = self._streamer.grad_stats(grads, unscale)
     else:
       grads = jax.tree.map(unscale, grads)
@@ -788,45 +918,69 @@ class Engine:
       # optax.clip_by_global_norm's formula, on the norm already computed.
       clip = lambda g: jnp.where(norm < c, g, g / norm.astype(g.dtype) * c)
     grad_fn = None
-    if pl.grads_on_host:
+    if streamed:
       grad_fn = lambda g: clip(unscale(g))
     else:
       grads = jax.tree.map(clip, grads)
-    shards = (self._device_params if stage == 0 else
-              self.param_plan.shardings)
-    metrics = {"loss": loss, "grad_norm": norm}
-    loss_scale = state.loss_scale
-    applied = state.step
+    metrics = {"grad_norm": norm}
+    applied = step
     finite = None
     if pl.loss_scaling:
       finite = all_finite
-      applied = state.step - loss_scale.skipped
+      applied = step - loss_scale.skipped
       loss_scale, at_min = _ls.update(loss_scale, finite, cfg)
       metrics.update(loss_scale=scale, skipped=jnp.logical_not(finite),
                      skipped_steps=loss_scale.skipped,
                      overflow_at_min_scale=at_min)
+    if self.lr_schedule is not None:
+      # The rate of this update: optax's count is the updates applied before.
+      metrics["learning_rate"] = self.lr_schedule(applied)
+    return grads, finite, grad_fn, loss_scale, metrics
+
+  def _host_prepare(self, grads, extra):
+    """``_prepare`` inside the host's update: ``(grads, finite, (loss
+    scale, metrics))``."""
+    grads, finite, _, loss_scale, metrics = self._prepare(
+        grads, extra["step"], extra["loss_scale"])
+    return grads, finite, (loss_scale, metrics)
+
+  def _train_step(self, state: TrainState, batch: Any):
+    pl = self.placement
+    for x in jax.tree.leaves(batch):
+      self._check_batch_dim(x.shape, x.shape[0] if x.ndim else None)
+    rng = jax.random.fold_in(state.rng, state.step)
+    scale = state.loss_scale.scale if pl.loss_scaling else None
+    grads, loss, aux = self._loss_and_grads(state.params, state.compute_params,
+                                            batch, rng, scale)
+    metrics = {"loss": loss}
+    if self.has_aux:
+      metrics["aux"] = aux
+    if self._host is not None:
+      # The rest is the host's program (zero_jax.host_update, _host_step):
+      # the gradients leave as the reduction made them.
+      return (TrainState(step=state.step + 1, params=None, opt_state=None,
+                         rng=state.rng), metrics, grads)
+    grads, finite, grad_fn, loss_scale, more = self._prepare(
+        grads, state.step, state.loss_scale, pl.grads_on_host)
+    metrics.update(more)
+    shards = (self._device_params if self.config.stage == 0 else
+              self.param_plan.shardings)
     if self._streamer is not None:
       master, opt_state, device_master = self._streamed_update(
           state, grads, shards, finite, grad_fn)
     else:
       master, opt_state = self._whole_update(state, grads, shards, finite)
-      device_master = (jax.device_put(master, _on_device(shards))
-                       if pl.update == "host" else master)
-    if self.lr_schedule is not None:
-      # The rate of this update: optax's count is the updates applied before.
-      metrics["learning_rate"] = self.lr_schedule(applied)
+      device_master = master
     compute_params = None
     # The compute copy is refreshed from the new master, on the device.
     if pl.compute_copy == "replicated":
       compute_params = self._gather_replicated(device_master, pl.compute_dtype)
     elif pl.compute_copy == "sharded":
       compute_params = self._compute_copy(device_master)
-    elif stage in (1, 2):
+    elif self.config.stage in (1, 2):
       master = self._gather_replicated(device_master)
     new_state = TrainState(step=state.step + 1, params=master,
                            opt_state=opt_state, rng=state.rng,
                            compute_params=compute_params,
                            loss_scale=loss_scale)
-    if self.has_aux:
-      metrics["aux"] = aux
     return new_state, metrics

@@ -235,7 +235,7 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
                 remat: str = "full", attention: str = "fused",
                 optimizer: str = "adamw", replica: int = 1,
                 offload_optimizer: bool = False,
-                offload_params: bool = False):
+                offload_params: bool = False, update_on: str = "device"):
   """Compiles the reference GPT's ZeRO train step for ``devices`` GPUs.
 
   The model is ``zero_jax.models.GPT`` of the given shape (learned
@@ -255,7 +255,9 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
       rate (``adamw``, ``adam``, ``sgd``, ``sgd_momentum``, ``lion``,
       ``adafactor``).
     replica: replica groups of the mesh.
-    offload_optimizer, offload_params: the ``ZeroConfig`` offload options.
+    offload_optimizer, offload_params, update_on: the ``ZeroConfig``
+      offload options (with ``update_on="host"`` the device's program is
+      compiled; the host's update is a program of its own).
 
   Returns:
     ``(engine, compiled)``: the ``Engine`` (its plans say what is sharded)
@@ -279,7 +281,8 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
                                  attention=attention)
   config = ZeroConfig(stage=stage, compute_dtype=compute_dtype, remat=remat,
                       offload_optimizer="host" if offload_optimizer else None,
-                      offload_params="host" if offload_params else None)
+                      offload_params="host" if offload_params else None,
+                      update_on=update_on)
   engine = Engine(make_loss_fn(graphdef), tx, config, mesh)
   batch = {"tokens": jax.ShapeDtypeStruct((micro_batch * devices,
                                            seq_len + 1), jnp.int32)}

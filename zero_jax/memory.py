@@ -260,7 +260,8 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
                     compute_dtype: Any = None, replica: int = 1,
                     activations: float | None = None,
                     replicated: float = 0, offload_optimizer: bool = False,
-                    offload_params: bool = False) -> Estimate:
+                    offload_params: bool = False,
+                    update_on: str = "device") -> Estimate:
   """Per-device bytes of zero_jax's layouts for Ψ parameters (analytic).
 
   N = ``devices // replica`` is the ``data`` axis state is sharded over;
@@ -310,6 +311,9 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
       Adam's step count.
     offload_optimizer: ``ZeroConfig(offload_optimizer="host")``.
     offload_params: ``ZeroConfig(offload_params="host")`` (stage 3).
+    update_on: ``ZeroConfig.update_on``: ``"host"`` keeps master and
+      optimizer state on the host and a compute copy (float32 in fp32
+      training) on the device.
 
   Returns:
     The estimate.
@@ -328,9 +332,12 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
   pl = Placement.of(ZeroConfig(
       stage=stage, compute_dtype=None if c is None else "bfloat16",
       offload_optimizer="host" if offload_optimizer else None,
-      offload_params="host" if offload_params else None))
+      offload_params="host" if offload_params else None,
+      update_on=update_on))
   master = sharded(4) if pl.master_sharded else full(4)
-  compute = {"replicated": full(c or 0), "sharded": sharded(c or 0),
+  # (With update_on="host" the device's copy is float32 in fp32 training.)
+  cc = c or (4 if pl.update == "host" else 0)
+  compute = {"replicated": full(cc), "sharded": sharded(cc),
              None: 0.0}[pl.compute_copy]
   opt_state = full(kb) if stage == 0 else sharded(kb)
   # Gradients live at the update: in the compute dtype where backward
@@ -341,9 +348,11 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
   else:
     grads = (full(c) if stage < 2 else sharded(c) if stage == 2 else
              sharded(4))
-  params = compute + (0.0 if pl.master_on_host else master)
   host = ((master if pl.master_on_host else 0.0) +
           (opt_state if pl.opt_on_host else 0.0))
+  if pl.compute_memory != "device":
+    host, compute = host + compute, 0.0
+  params = compute + (0.0 if pl.master_on_host else master)
   opt_state = 0.0 if pl.opt_on_host else opt_state
   host_grads = 0.0
   if pl.grads_on_host:

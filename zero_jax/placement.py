@@ -17,7 +17,13 @@ the state by it, ``estimate_memory`` counts bytes by it, and
   stage 3 with ``offload_params`` (forward copies each layer's master
   shards to the device as it gathers them);
 - offloaded state is updated by streaming it through the device a slice at
-  a time (``zero_jax.stream``), or on the host with ``update_on="host"``.
+  a time (``zero_jax.stream``);
+- with ``update_on="host"`` (ZeRO-Offload's split) master and optimizer
+  state live on the host's CPU devices and a program of their own updates
+  them there (``zero_jax.host_update``); the device keeps a compute copy
+  (in the compute dtype, else float32: sharded at stage 3, replicated
+  below; in pinned host memory with ``offload_params``, gathered layer by
+  layer) and sends gradients to the host.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 DEVICE, HOST = "device", "pinned_host"
+# Arrays on the host's CPU devices (update_on="host"): host RAM, outside the
+# accelerator's programs.
+CPU = "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +49,24 @@ class Placement:
     reduce_dtype: dtype gradients are summed in across devices (None: as
       computed, float32).
     master_sharded: the fp32 master is sharded (else replicated).
-    master_memory: ``"device"`` or ``"pinned_host"``.
+    master_memory: ``"device"``, ``"pinned_host"`` or ``"cpu"`` (on the
+      host's CPU devices, ``update_on="host"``).
     opt_memory: the optimizer state's memory kind.
     compute_copy: ``None``, ``"replicated"`` or ``"sharded"``: the separate
       compute-dtype copy forward reads.
+    compute_memory: the compute copy's memory kind.
     gather_from: stage 3: what parameters are gathered from:
       ``"master"`` (the fp32 shards), ``"compute"`` (the sharded compute
-      copy) or ``"host_master"`` (the offloaded master, copied to the
-      device layer by layer); None at stages 0-2.
+      copy), ``"host_master"`` (the offloaded master, copied to the
+      device layer by layer) or ``"host_compute"`` (the compute copy in
+      pinned host memory, likewise); None at stages 0-2.
     update: ``"device"`` (whole, on device-resident state), ``"streamed"``
-      (offloaded state, slice by slice) or ``"host"``.
-    grads_on_host: stage 3 with offloaded, streamed state and one
-      micro-batch per step: each gradient shard goes to host memory as
-      backward makes it (ZeRO-Offload), and the update reads it back a
-      slice at a time.
+      (offloaded state, slice by slice) or ``"host"`` (a program of its
+      own on the host's CPU devices).
+    grads_on_host: stage 3 with offloaded, streamed state (or the update
+      on the host) and one micro-batch per step: each gradient shard goes
+      to host memory as backward makes it (ZeRO-Offload), and the update
+      reads it from there.
     loss_scaling: float16 loss scaling is on.
   """
 
@@ -68,6 +81,7 @@ class Placement:
   update: str
   loss_scaling: bool
   grads_on_host: bool = False
+  compute_memory: str = DEVICE
 
   @classmethod
   def of(cls, config, grad_accum_steps: int = 1) -> "Placement":
@@ -94,8 +108,18 @@ class Placement:
       gather_from = ("host_master" if offload_params else
                      "compute" if compute_copy else "master")
     offloaded = offload_opt or offload_params
-    update = ("host" if config.update_on == "host" else
-              "streamed" if offloaded else "device")
+    if config.update_on == "host":
+      # ZeRO-Offload's split: the device only ever holds the compute copy.
+      return cls(stage=stage, compute_dtype=cd, reduce_dtype=rd,
+                 master_sharded=stage > 0, master_memory=CPU,
+                 opt_memory=CPU,
+                 compute_copy="sharded" if stage == 3 else "replicated",
+                 compute_memory=HOST if offload_params else DEVICE,
+                 gather_from=(None if stage != 3 else "host_compute"
+                              if offload_params else "compute"),
+                 update="host", loss_scaling=config.compute_dtype == "float16",
+                 grads_on_host=stage == 3 and grad_accum_steps == 1)
+    update = "streamed" if offloaded else "device"
     return cls(stage=stage, compute_dtype=cd, reduce_dtype=rd,
                master_sharded=stage == 3 or compute_copy == "replicated",
                master_memory=HOST if master_on_host else DEVICE,
@@ -109,15 +133,32 @@ class Placement:
 
   @property
   def master_on_host(self) -> bool:
-    return self.master_memory == HOST
+    return self.master_memory in (HOST, CPU)
 
   @property
   def opt_on_host(self) -> bool:
-    return self.opt_memory == HOST
+    return self.opt_memory in (HOST, CPU)
+
+  @property
+  def copy_dtype(self) -> np.dtype:
+    """The compute copy's dtype."""
+    return self.compute_dtype or jnp.dtype(jnp.float32)
 
   def describe(self) -> list[str]:
     """One line per decision, for ``Engine.describe()``."""
     dtype = self.compute_dtype.name if self.compute_dtype else "float32"
+    if self.update == "host":
+      copy = "sharded" if self.compute_copy == "sharded" else "replicated"
+      lines = ["fp32 master and optimizer state: in host RAM, split over "
+               "the host's CPU devices, updated there by a program of their "
+               "own (ZeRO-Offload)",
+               f"a {copy} {dtype} copy for compute, in {self.compute_memory} "
+               "memory; gradients go to the host, the new copy comes back "
+               "after each update"]
+      if self.gather_from == "host_compute":
+        lines.append("stage 3: each layer's shards of the copy are copied to "
+                     "the device as forward and backward gather them")
+      return lines
     master = "sharded" if self.master_sharded else "replicated"
     lines = [f"fp32 master: {master}, in {self.master_memory} memory; "
              f"optimizer state: sharded by shape, in {self.opt_memory} "

@@ -1,0 +1,152 @@
+"""ZeRO-Offload's split: the optimizer update as a program of its own on the
+host's CPU devices (``ZeroConfig(update_on="host")``).
+
+The fp32 master and the optimizer state live in host RAM as arrays on this
+process's CPU devices, each leaf split over all of them, so that every CPU
+device (XLA:CPU runs each on its own threads) updates its own part at the
+speed of host memory. A step is two programs: the device's computes the
+loss and gradients from the compute copy; this one reads the gradients,
+takes their norm, checks and unscales them (float16), clips them, updates,
+and casts the new master to the compute copy that goes back to the device.
+
+The update is ``tx.update`` under ``jax.jit`` on global arrays, so any optax
+chain is exact, global norms included: the layout decides only which CPU
+device does which part.
+
+CPU devices are fixed when JAX starts: ``jax.config.update(
+"jax_num_cpu_devices", os.cpu_count())`` before anything else touches JAX
+gives one per core (the default on a GPU host is one). Where the mesh itself
+is made of CPU devices (tests, CPU training), the update uses the CPU
+devices the mesh leaves free, or all of them when it uses them all.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+HOST_AXIS = "host"
+
+
+def host_devices(mesh: Mesh) -> list:
+  """This process's CPU devices that ``mesh`` does not use (all of them if
+  it uses every one)."""
+  cpus = jax.local_devices(backend="cpu")
+  used = set(mesh.devices.flat)
+  free = [d for d in cpus if d not in used]
+  return free or cpus
+
+
+def _spec(shape: tuple, k: int) -> P:
+  """Split the first axis divisible by ``k`` (else the largest that is):
+  each CPU device then updates a contiguous block where it can. Leaves with
+  no such axis (scalars, odd sizes) are replicated."""
+  axes = [a for a, d in enumerate(shape) if d % k == 0 and d >= k]
+  if k == 1 or not axes:
+    return P()
+  axis = 0 if 0 in axes else max(axes, key=lambda a: shape[a])
+  return P(*([None] * axis + [HOST_AXIS]))
+
+
+class HostUpdate:
+  """The optimizer update on the host's CPU devices.
+
+  Args:
+    tx: the optax transformation.
+    master: the fp32 master as ``jax.ShapeDtypeStruct`` leaves (a tree).
+    devices: the CPU devices to spread the state over.
+  """
+
+  def __init__(self, tx: optax.GradientTransformation, master: Any,
+               devices: list):
+    self.tx = tx
+    self.mesh = Mesh(np.array(devices), (HOST_AXIS,))
+    self.k = len(devices)
+    self.master_shapes = master
+    self.opt_shapes = jax.eval_shape(tx.init, master)
+    self.master_shardings = self.shardings(master)
+    self.opt_shardings = self.shardings(self.opt_shapes)
+    self._jits = {}
+
+  def sharding(self, shape: tuple) -> NamedSharding:
+    """Where a leaf of this shape lives on the CPU devices."""
+    return NamedSharding(self.mesh, _spec(tuple(shape), self.k))
+
+  def shardings(self, tree: Any) -> Any:
+    """The host sharding of every leaf of a tree of arrays or shapes."""
+    return jax.tree.map(lambda x: self.sharding(x.shape), tree)
+
+  def replicated_bytes(self, tree: Any) -> int:
+    """Bytes of ``tree`` that every CPU device holds whole (no axis splits
+    evenly); counted once."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
+               if self.k > 1 and _spec(tuple(x.shape), self.k) == P())
+
+  def describe(self) -> str:
+    """One line for ``Engine.describe()``."""
+    whole = self.replicated_bytes(self.master_shapes) + self.replicated_bytes(
+        self.opt_shapes)
+    return (f"host update over {self.k} CPU device(s); "
+            f"{whole / 2**20:.1f} MiB of state has no axis divisible by "
+            f"{self.k} and is updated whole on each")
+
+  def put(self, tree: Any, shardings: Any = None) -> Any:
+    """``tree`` copied onto the CPU devices (master layout by default)."""
+    return jax.device_put(tree, shardings or self.master_shardings,
+                          may_alias=False)
+
+  def init(self, master: Any) -> Any:
+    """``tx.init`` on the host-resident master."""
+    return jax.jit(self.tx.init, out_shardings=self.opt_shardings)(master)
+
+  def update(self, grads: Any, master: Any, opt_state: Any, extra: Any, *,
+             prepare: Callable[..., tuple[Any, Any, Any]],
+             compute_dtype: Any) -> tuple[Any, Any, Any, Any]:
+    """One update. ``master`` and ``opt_state`` are donated.
+
+    Args:
+      grads: the gradients as backward left them (on any devices, in any
+        memory: copied here).
+      master, opt_state: the host state.
+      extra: small arrays ``prepare`` reads (copied here, replicated).
+      prepare: ``prepare(grads, extra) -> (grads, finite, out)``, traced
+        into the update: the gradients to apply (unscaled, clipped),
+        whether to apply them (None: always; an overflow leaves master and
+        optimizer state unchanged) and anything else to return.
+      compute_dtype: the dtype of the compute copy returned.
+
+    Returns:
+      ``(master, opt_state, compute, out)``: the new host state, the new
+      master cast to ``compute_dtype`` (on the CPU devices; the caller
+      moves it to the device), and ``prepare``'s ``out``.
+    """
+    key = (prepare, jnp.dtype(compute_dtype))
+    if key not in self._jits:
+      self._jits[key] = jax.jit(
+          functools.partial(self._update, prepare=prepare,
+                            compute_dtype=key[1]),
+          donate_argnums=(1, 2),
+          out_shardings=(self.master_shardings, self.opt_shardings,
+                         self.master_shardings, None))
+    replicated = NamedSharding(self.mesh, P())
+    grads = jax.device_put(grads, self.master_shardings)
+    extra = jax.device_put(extra, replicated)
+    return self._jits[key](grads, master, opt_state, extra)
+
+  def _update(self, grads, master, opt_state, extra, *, prepare,
+              compute_dtype):
+    grads, finite, out = prepare(grads, extra)
+    updates, new_opt = self.tx.update(grads, opt_state, master)
+    new_master = optax.apply_updates(master, updates)
+    if finite is not None:
+      new_master, new_opt = jax.tree.map(
+          lambda n, o: jnp.where(finite, n, o), (new_master, new_opt),
+          (master, opt_state))
+    compute = jax.tree.map(lambda x: x.astype(compute_dtype), new_master)
+    return new_master, new_opt, compute, out
