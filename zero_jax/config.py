@@ -130,6 +130,8 @@ class ZeroConfig:
   offload_params: str | None = None
   update_on: str = "device"
   delay_update: bool = False
+  skip_nonfinite: bool = True
+  max_consecutive_skips: int = 10
 
   def __post_init__(self):
     if isinstance(self.stage, bool) or self.stage not in _STAGES:

@@ -78,12 +78,21 @@ class _StepFunction:
   before clipping), ``"learning_rate"`` when the engine was given
   ``lr_schedule``, with float16 loss scaling ``"loss_scale"`` (the scale
   this step used), ``"skipped"`` (this step overflowed and changed nothing
-  but the scale) and ``"skipped_steps"`` (the running total), and, with
+  but the scale) and ``"skipped_steps"`` (the running total); in fp32 and
+  bf16 with ``skip_nonfinite`` (the default), ``"skipped"``: the gradient
+  norm was NaN or inf, and the step changed nothing but the step counter;
+  and, with
   ``has_aux``, ``"aux"``.
 
-  An overflow at the minimum loss scale means training has diverged: the
-  next call raises ``FloatingPointError`` (checked one step late, so the
-  host never waits for the step it has just dispatched).
+  An overflow at the minimum loss scale, or ``max_consecutive_skips``
+  non-finite steps in a row, means training has diverged: the next call
+  raises ``FloatingPointError`` (checked one step late, so the host never
+  waits for the step it has just dispatched).
+
+  Before anything reaches XLA, ``state`` is checked (not donated to an
+  earlier step; this engine's tree, shapes, dtypes and devices: a state of
+  another engine is converted by saving and restoring it through
+  ``Checkpointer``), and so is ``batch`` (one leading dimension, not zero).
 
   ``engine.step.lower(state, batch)`` returns the jitted step's ``Lowered``,
   so ``.compile()`` gives the compiled step for memory and HLO analysis;
@@ -96,6 +105,9 @@ class _StepFunction:
   def __init__(self, engine: "Engine"):
     self._engine = engine
     self._at_min = None  # the previous step's overflow-at-minimum flag
+    self._skipped = None  # the previous step's skip flag (non-finite norm)
+    self._skips = 0  # skipped steps in a row, up to the previous one
+    self._returned = None  # the state the previous step returned
 
   @property
   def jitted(self):
@@ -108,30 +120,70 @@ class _StepFunction:
     jitted = self.jitted
     self.check()
     engine = self._engine
+    if state is not self._returned:
+      # (The state the last step returned is known good: skip the walk.)
+      engine._check_state(state)
+    engine._check_batch(batch)
     batch = engine.shard_batch(batch)
     if engine._host is None:
       state, metrics = jitted(state, batch)
     else:
       state, metrics = engine._host_step(state, batch)
     self._at_min = metrics.get("overflow_at_min_scale")
+    if not engine.placement.loss_scaling and engine.config.skip_nonfinite:
+      self._skipped = metrics["skipped"]
+    self._returned = state
     return state, metrics
 
   def check(self) -> None:
-    """Raises if the last step overflowed at the minimum loss scale."""
+    """Raises if the last step overflowed at the minimum loss scale, or
+    ended ``max_consecutive_skips`` non-finite steps in a row. (Read one step
+    late, so the host never waits for the step it has just dispatched.)"""
+    cfg = self._engine.config
     flag, self._at_min = self._at_min, None
     if flag is not None and bool(flag):
-      cfg = self._engine.config
       raise FloatingPointError(
           f"float16 gradients overflowed at the minimum loss scale "
           f"{cfg.min_loss_scale} (ZeroConfig.min_loss_scale): training has "
           "diverged. Lower the learning rate, clip gradients "
           "(clip_grad_norm), lower min_loss_scale, or train in bfloat16.")
+    skipped, self._skipped = self._skipped, None
+    if skipped is not None:
+      self._skips = self._skips + 1 if bool(skipped) else 0
+      if self._skips >= cfg.max_consecutive_skips:
+        raise FloatingPointError(
+            f"the last {self._skips} steps had a non-finite gradient norm "
+            "(NaN or inf) and were skipped (ZeroConfig.skip_nonfinite; "
+            f"max_consecutive_skips={cfg.max_consecutive_skips}): training "
+            "has diverged or the data holds NaN/inf. Check the batches, "
+            "lower the learning rate or clip gradients (clip_grad_norm), "
+            "then resume from the last checkpoint.")
 
   def lower(self, state: TrainState, batch: Any):
     jitted = self.jitted
     if self._engine._host is not None:
       state = _device_part(state)
     return jitted.lower(state, self._engine.shard_batch(batch))
+
+
+_CONVERT = ("Convert a state between device counts, stages, offload "
+            "settings and compute dtypes by saving it with zj.Checkpointer "
+            "and restoring it into this engine (Checkpointer.restore(engine, "
+            "params)).")
+
+
+def _as_arrays(params: Any) -> Any:
+  """Python and numpy scalars among the parameters as float32 arrays (a
+  Python float is a valid scalar parameter)."""
+  return jax.tree.map(
+      lambda x: np.asarray(x, np.float32)
+      if isinstance(x, (float, np.floating)) else x, params)
+
+
+def _describe_value(x: Any) -> str:
+  if hasattr(x, "dtype") and hasattr(x, "shape"):
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+  return type(x).__name__
 
 
 def _device_part(state: TrainState) -> TrainState:
@@ -278,6 +330,8 @@ class Engine:
         compute_params=compute_shardings,
         loss_scale=(jax.tree.map(lambda _: replicated, _ls.init(cfg))
                     if pl.loss_scaling else None))
+    # The state's shapes and dtypes, for checking what step is given.
+    self._shapes = jax.eval_shape(self._make_state, master)
     # Offloaded state with the update on the device: streamed slice by
     # slice (zero_jax.stream), never copied to the device whole.
     self._streamer = None
@@ -321,6 +375,7 @@ class Engine:
     Returns:
       The initial ``TrainState``.
     """
+    params = _as_arrays(params)
     self._build(params)
     if self._host is not None:
       return self._host_state(params)
@@ -489,7 +544,7 @@ class Engine:
     pl = self.placement
     if not pl.compute_copy:
       return None
-    return jax.tree.map(lambda x: x.astype(pl.compute_dtype), master)
+    return jax.tree.map(lambda x: x.astype(pl.copy_dtype), master)
 
   def abstract_state(self, params: Any) -> TrainState:
     """The ``TrainState`` that ``init(params)`` would build, as
@@ -502,6 +557,7 @@ class Engine:
     Returns:
       The abstract state: the target to restore a checkpoint into.
     """
+    params = _as_arrays(params)
     self._build(params)
     shapes = jax.eval_shape(self._make_state, params)
     return jax.tree.map(
@@ -623,6 +679,102 @@ class Engine:
 
   # ----------------------------------------------------------------- step
 
+  def _check_state(self, state: Any) -> None:
+    """Raises, naming the difference and the fix, unless ``state`` is a
+    live ``TrainState`` of this engine's layout."""
+    if not isinstance(state, TrainState):
+      raise TypeError(
+          "engine.step takes the TrainState of engine.init, of the previous "
+          "step or of Checkpointer.restore; got "
+          f"{type(state).__name__}")
+    for part in ("params", "opt_state", "compute_params", "loss_scale",
+                 "step", "rng"):
+      got, want = getattr(state, part), getattr(self._shapes, part)
+      shardings = getattr(self.state_shardings, part)
+      got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(got)
+      if got_tree != jax.tree.structure(want):
+        raise ValueError(
+            f"state.{part} does not have this engine's tree (it has "
+            f"{len(got_leaves)} leaves, this engine's has "
+            f"{len(jax.tree.leaves(want))}): the state comes from an engine "
+            "with another model, optimizer, compute_dtype or loss scaling. "
+            + _CONVERT + " A state of another model or optimizer cannot be "
+            "converted.")
+      for (path, x), w, sh in zip(got_leaves, jax.tree.leaves(want),
+                                  jax.tree.leaves(shardings)):
+        where = f"state.{part}{jax.tree_util.keystr(path)}"
+        if not isinstance(x, jax.Array):
+          raise TypeError(f"{where} is a {type(x).__name__}, not a jax.Array:"
+                          " pass the state engine.init or engine.step "
+                          "returned")
+        if x.is_deleted():
+          raise ValueError(
+              f"{where} was deleted: this TrainState was donated to an "
+              "earlier engine.step, which returned the state to use "
+              "instead (state, metrics = engine.step(state, batch)).")
+        if x.shape != w.shape or x.dtype != w.dtype:
+          raise ValueError(
+              f"{where} is {_describe_value(x)}, this engine's is "
+              f"{_describe_value(w)}: the state comes from another model or "
+              "engine. " + _CONVERT)
+        if (not x.sharding.is_equivalent_to(sh, x.ndim) or
+            (x.sharding.memory_kind or "device") !=
+            (sh.memory_kind or "device")):
+          raise ValueError(
+              f"{where} is laid out on {len(x.sharding.device_set)} "
+              f"device(s) ({x.sharding}); this engine lays it out on "
+              f"{len(sh.device_set)} ({sh}): the state comes from an "
+              "engine with another mesh, stage or offload setting. "
+              + _CONVERT)
+
+  def _check_batch(self, batch: Any) -> None:
+    """Raises unless every batch leaf has one and the same leading
+    (example) dimension, not zero."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+      raise ValueError("the batch holds no arrays: pass a pytree of arrays "
+                       "whose leading dimension is the examples")
+    sizes = {}
+    for path, x in leaves:
+      shape = np.shape(x)
+      if not shape:
+        raise ValueError(
+            f"batch leaf {jax.tree_util.keystr(path) or 'batch'} is a "
+            "scalar; batch leaves need a leading batch dimension")
+      sizes[jax.tree_util.keystr(path) or "batch"] = shape[0]
+    if len(set(sizes.values())) > 1:
+      raise ValueError(
+          "batch leaves have different leading (example) dimensions: "
+          + ", ".join(f"{k}: {v}" for k, v in sizes.items())
+          + "; every leaf must hold the same examples, one row each")
+    if not next(iter(sizes.values())):
+      raise ValueError("the batch has 0 examples; pass at least one example "
+                       "per device")
+
+  def _split_loss(self, out: Any) -> tuple[Any, Any]:
+    """``(loss, aux)`` from what ``loss_fn`` returned, or a TypeError that
+    names what it returned and ``has_aux``."""
+    pair = isinstance(out, (tuple, list)) and len(out) == 2
+    if self.has_aux and not pair:
+      raise TypeError(
+          f"loss_fn returned {_describe_value(out)}, but the Engine has "
+          "has_aux=True: return (loss, aux), or pass has_aux=False")
+    if not self.has_aux and isinstance(out, (tuple, list)):
+      raise TypeError(
+          f"loss_fn returned a {type(out).__name__} of {len(out)}: return "
+          "the scalar loss, or pass has_aux=True to return (loss, aux)")
+    loss, aux = out if self.has_aux else (out, None)
+    dtype = getattr(loss, "dtype", None)
+    if (isinstance(loss, (bool, int)) or dtype is None or
+        not jnp.issubdtype(dtype, jnp.floating) or np.shape(loss) != ()):
+      raise TypeError(
+          f"loss_fn must return a floating-point scalar (the mean loss over "
+          f"its examples); it returned {_describe_value(loss)}"
+          + ("" if self.has_aux else " (with has_aux=False)")
+          + ". An integer or bool loss has no gradient: compute it in "
+          "floating point from the parameters.")
+    return loss, aux
+
   def _check_batch_dim(self, shape, global_size) -> None:
     if not shape:
       raise ValueError("batch leaves need a leading batch dimension; got a "
@@ -692,8 +844,7 @@ class Engine:
 
       def loss_of(full, batch, key):
         args = (full, batch, key) if self.with_rng else (full, batch)
-        out = self.loss_fn(*args)
-        loss, aux = out if self.has_aux else (out, None)
+        loss, aux = self._split_loss(self.loss_fn(*args))
         scaled = loss / divisor
         if scale is not None:
           scaled = scaled * scale
@@ -925,6 +1076,11 @@ class Engine:
     metrics = {"grad_norm": norm}
     applied = step
     finite = None
+    if not pl.loss_scaling and cfg.skip_nonfinite:
+      # A NaN or inf anywhere makes the global norm non-finite: one scalar
+      # check skips the update on every device.
+      finite = jnp.isfinite(norm)
+      metrics["skipped"] = jnp.logical_not(finite)
     if pl.loss_scaling:
       finite = all_finite
       applied = step - loss_scale.skipped
