@@ -88,10 +88,12 @@ def _nan_batch():
   return batch
 
 
-@pytest.mark.parametrize("stage,dtype", [(0, None), (1, None), (2, None),
-                                         (3, None), (3, "bfloat16")])
-def test_a_nan_in_the_batch_skips_the_step_and_keeps_the_state(stage, dtype):
-  engine = _engine(stage, compute_dtype=dtype)
+@pytest.mark.parametrize("stage,config", [
+    (0, {}), (1, {}), (2, {}), (3, {}), (3, dict(compute_dtype="bfloat16")),
+    (3, dict(offload_optimizer="host", compute_dtype="bfloat16")),
+    (2, dict(offload_optimizer="host", update_on="host"))])
+def test_a_nan_in_the_batch_skips_the_step_and_keeps_the_state(stage, config):
+  engine = _engine(stage, **config)
   state = engine.init(m.mlp_params())
   state, metrics = engine.step(state, m.mlp_batches(1)[0])
   assert not bool(metrics["skipped"])

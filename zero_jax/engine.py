@@ -105,7 +105,7 @@ class _StepFunction:
   def __init__(self, engine: "Engine"):
     self._engine = engine
     self._at_min = None  # the previous step's overflow-at-minimum flag
-    self._skipped = None  # the previous step's skip flag (non-finite norm)
+    self._skipped = []  # skip flags (non-finite norm) not yet read
     self._skips = 0  # skipped steps in a row, up to the previous one
     self._returned = None  # the state the previous step returned
 
@@ -131,7 +131,7 @@ class _StepFunction:
       state, metrics = engine._host_step(state, batch)
     self._at_min = metrics.get("overflow_at_min_scale")
     if not engine.placement.loss_scaling and engine.config.skip_nonfinite:
-      self._skipped = metrics["skipped"]
+      self._skipped.append(metrics["skipped"])
     self._returned = state
     return state, metrics
 
@@ -147,9 +147,11 @@ class _StepFunction:
           f"{cfg.min_loss_scale} (ZeroConfig.min_loss_scale): training has "
           "diverged. Lower the learning rate, clip gradients "
           "(clip_grad_norm), lower min_loss_scale, or train in bfloat16.")
-    skipped, self._skipped = self._skipped, None
-    if skipped is not None:
-      self._skips = self._skips + 1 if bool(skipped) else 0
+    # (Two steps late with delay_update, whose host update of the last
+    # step runs while the device computes this one.)
+    lag = 2 if cfg.delay_update else 1
+    while len(self._skipped) >= lag:
+      self._skips = self._skips + 1 if bool(self._skipped.pop(0)) else 0
       if self._skips >= cfg.max_consecutive_skips:
         raise FloatingPointError(
             f"the last {self._skips} steps had a non-finite gradient norm "
