@@ -175,7 +175,8 @@ class ZeroConfig:
     loss_scale: float16 compute only. 0 (the default): dynamic loss scaling
       with DeepSpeed's rules (below); > 0: this static scale. A step whose
       gradients hold an inf or nan on any device is skipped on all devices.
-    initial_scale_power: dynamic scaling starts at 2**this.
+    initial_scale_power: dynamic scaling starts at 2**this; at most 127,
+      as the scale is float32 (2**128 is inf there).
     loss_scale_window: clean steps after which the dynamic scale doubles.
     hysteresis: overflows tolerated before the scale halves (DeepSpeed's
       ``delayed_shift``; reset when the scale doubles).

@@ -37,6 +37,7 @@ import sys
 from typing import Sequence
 
 from zero_jax import memory
+from zero_jax.config import ZeroConfig
 from zero_jax.layers import NAMED_POLICIES, REMAT_POLICIES
 
 _GIB = 2 ** 30
@@ -288,7 +289,6 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
   import optax  # pylint: disable=g-import-not-at-top
 
   from zero_jax import aot  # pylint: disable=g-import-not-at-top
-  from zero_jax.config import ZeroConfig  # pylint: disable=g-import-not-at-top
   from zero_jax.engine import Engine  # pylint: disable=g-import-not-at-top
   from zero_jax.models import make_loss_fn  # pylint: disable=g-import-not-at-top
 
@@ -442,8 +442,6 @@ def _check_config(parser: argparse.ArgumentParser,
         f"--remat {args.remat} needs checkpoint names (ZeroConfig."
         "remat_names), which the command line cannot give: use --remat "
         "full, none or dots_saveable with --compile")
-  # Imported here: the config pulls in jax, which --help need not wait for.
-  from zero_jax.config import ZeroConfig  # pylint: disable=g-import-not-at-top
   for stage in _stages(args):
     try:
       ZeroConfig(
