@@ -3,14 +3,126 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import math
+import numbers
+from typing import Any, Mapping, NoReturn
 
 import jax.numpy as jnp
+import numpy as np
 
 from zero_jax.layers import REMAT_POLICIES, remat_policy
 
 _STAGES = (0, 1, 2, 3)
 _COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+# Counters the loss scaler and the skip logic keep on the device are int32.
+_INT32_MAX = int(np.iinfo(np.int32).max)
+# jax.random.PRNGKey takes a seed that fits in int64.
+_INT64 = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
+# The loss scale lives in float32: 2.0**128 is already inf there, and an
+# infinite scale overflows every step, so every step would be skipped.
+_MAX_SCALE_POWER = int(math.floor(math.log2(np.finfo(np.float32).max)))
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _got(value: Any) -> str:
+  """``value`` for an error message, with its type where repr hides it."""
+  text = repr(value)
+  if len(text) > 60:
+    text = text[:50] + "..."
+  if value is None or type(value) in (int, float, bool):
+    return text
+  return f"{text} (a {type(value).__name__})"
+
+
+def _fail(name: str, what: str, value: Any, fix: str) -> NoReturn:
+  """Raises the ValueError every field check uses: field, value, fix."""
+  # A number written as a string, or an int written as a float, is the
+  # usual slip (configs read from YAML or the command line): say so.
+  if isinstance(value, str):
+    try:
+      float(value)
+      fix = f"write the number without quotes; {fix}"
+    except ValueError:
+      pass
+  elif isinstance(value, bool):
+    fix = f"True/False is not a number here; {fix}"
+  raise ValueError(f"ZeroConfig.{name} must be {what}, got {_got(value)}; "
+                   f"{fix}")
+
+
+def _is_int(value: Any) -> bool:
+  # numbers.Integral admits numpy integers; bool is an int to Python but
+  # stage=True is a mistake, not stage 1.
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int,
+               maximum: int | None = None, *, optional: bool = False,
+               fix: str) -> int | None:
+  """``value`` as a Python int in [minimum, maximum] (or None if optional).
+
+  Raises:
+    ValueError: not an int (bools, floats and strings included) or out of
+      range; the message names the field, the value and ``fix``.
+  """
+  if optional and value is None:
+    return None
+  if (_is_int(value) and value >= minimum
+      and (maximum is None or value <= maximum)):
+    return int(value)
+  what = (f"an integer >= {minimum}" if maximum is None else
+          f"an integer in [{minimum}, {maximum}]")
+  if isinstance(value, float) and value.is_integer():
+    fix = f"write {int(value)}, an int, not {value!r}; {fix}"
+  _fail(name, ("None or " if optional else "") + what, value, fix)
+
+
+def _check_float(name: str, value: Any, minimum: float, *,
+                 strict: bool = False, maximum: float | None = None,
+                 optional: bool = False, what: str | None = None,
+                 fix: str) -> float | None:
+  """``value`` as a finite Python float > (or >=) minimum, <= maximum.
+
+  Ints are floats here (``clip_grad_norm=1``); nan and inf never are.
+
+  Raises:
+    ValueError: not a real number, not finite or out of range; the message
+      names the field, the value and ``fix``.
+  """
+  if optional and value is None:
+    return None
+  if (_is_real(value) and math.isfinite(value)
+      and (value > minimum if strict else value >= minimum)
+      and (maximum is None or value <= maximum)):
+    return float(value)
+  if what is None:
+    what = f"a finite number {'>' if strict else '>='} {minimum:g}"
+    if maximum is not None:
+      what += f" and <= {maximum:g}"
+    if optional:
+      what = "None or " + what
+  _fail(name, what, value, fix)
+
+
+def _check_bool(name: str, value: Any, fix: str) -> bool:
+  """``value`` as a Python bool; 0/1, strings and None are mistakes."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  _fail(name, "True or False", value, fix)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[Any, ...],
+                  fix: str) -> Any:
+  """``value`` if it is one of ``choices`` (compared by type and value)."""
+  # By type first: an array (or other odd) value must not reach an ``==``
+  # whose truth is ambiguous, nor an ``in`` test that needs a hash.
+  if any(isinstance(value, type(c)) and value == c for c in choices):
+    return value
+  _fail(name, f"one of {choices}", value, fix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +175,8 @@ class ZeroConfig:
     loss_scale: float16 compute only. 0 (the default): dynamic loss scaling
       with DeepSpeed's rules (below); > 0: this static scale. A step whose
       gradients hold an inf or nan on any device is skipped on all devices.
-    initial_scale_power: dynamic scaling starts at 2**this.
+    initial_scale_power: dynamic scaling starts at 2**this; at most 127,
+      as the scale is float32 (2**128 is inf there).
     loss_scale_window: clean steps after which the dynamic scale doubles.
     hysteresis: overflows tolerated before the scale halves (DeepSpeed's
       ``delayed_shift``; reset when the scale doubles).
@@ -107,6 +220,18 @@ class ZeroConfig:
       updates step t while the device computes step t+1. This changes the
       math: every gradient is applied one update late. It hides the host
       update's time; the device briefly holds two compute copies.
+    skip_nonfinite: a step whose global gradient norm is not finite (NaN
+      or inf gradients in fp32/bf16) is skipped on all devices: the state
+      stays as it was except the step counter, and the metrics say
+      ``skipped``; float16 keeps its loss-scale rules.
+    max_consecutive_skips: after this many skipped steps in a row the next
+      ``engine.step`` raises ``FloatingPointError``; must be an int >= 1.
+
+  Raises:
+    ValueError: on construction, when a field has the wrong type (ints must
+      be ints, not bools, floats or strings; bools must be bools) or is out
+      of range, or when fields contradict each other. The message names
+      the field, the value and the fix.
   """
 
   stage: int = 3
@@ -134,19 +259,47 @@ class ZeroConfig:
   max_consecutive_skips: int = 10
 
   def __post_init__(self):
-    if isinstance(self.stage, bool) or self.stage not in _STAGES:
-      raise ValueError(
-          f"ZeroConfig.stage must be one of {_STAGES}, got {self.stage!r}. "
-          "Use 0 for plain data parallelism, 1 to shard optimizer state, 2 to "
-          "also shard gradients, 3 to also shard parameters.")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"ZeroConfig.remat must be one of "
-                       f"{sorted(REMAT_POLICIES)}, got {self.remat!r}")
-    if isinstance(self.remat_names, str):
+    self._check_fields()
+    self._check_combinations()
+
+  def _set(self, name: str, value: Any) -> None:
+    object.__setattr__(self, name, value)  # the dataclass is frozen
+
+  def _check_fields(self) -> None:
+    """Checks each field on its own, normalizing numbers to int/float.
+
+    (numpy scalars become Python ones, so that equal configs hash alike.)
+    """
+    if not (_is_int(self.stage) and self.stage in _STAGES):
+      _fail("stage", f"one of {_STAGES}", self.stage,
+            "use 0 for plain data parallelism, 1 to shard optimizer state, "
+            "2 to also shard gradients, 3 to also shard parameters.")
+    self._set("stage", int(self.stage))
+    self._set("min_shard_elements", _check_int(
+        "min_shard_elements", self.min_shard_elements, 0,
+        fix="use 0 to shard every leaf that has a dimension divisible by the "
+        "number of devices."))
+    self._set("seed", _check_int(
+        "seed", self.seed, *_INT64,
+        fix="jax.random.PRNGKey takes an integer that fits in int64."))
+    if not isinstance(self.remat, str) or self.remat not in REMAT_POLICIES:
+      _fail("remat", f"one of {sorted(REMAT_POLICIES)}", self.remat,
+            "'full' (the default) recomputes each layer in backward.")
+    if isinstance(self.remat_names, (str, bytes)):
       raise ValueError("ZeroConfig.remat_names must be a tuple of names, got "
                        f"the string {self.remat_names!r}; write "
                        f"({self.remat_names!r},)")
-    object.__setattr__(self, "remat_names", tuple(self.remat_names))
+    try:
+      names = tuple(self.remat_names)
+    except TypeError:
+      _fail("remat_names", "a tuple of checkpoint_name tags",
+            self.remat_names, "write e.g. ('mlp_hidden',), or () for none.")
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+      _fail("remat_names", "a tuple of non-empty strings", self.remat_names,
+            f"{bad[0]!r} is not a checkpoint_name tag; write the names given "
+            "to zero_jax.checkpoint_name.")
+    self._set("remat_names", names)
     remat_policy(self.remat, self.remat_names)  # named policies need names
     for name in ("compute_dtype", "reduce_dtype"):
       value = getattr(self, name)
@@ -154,58 +307,93 @@ class ZeroConfig:
         continue
       try:
         canonical = jnp.dtype(value).name
-      except TypeError:
+      except (TypeError, ValueError):
         canonical = None
       if canonical not in _COMPUTE_DTYPES:
-        raise ValueError(f"ZeroConfig.{name} must be None or one of "
-                         f"{_COMPUTE_DTYPES}, got {value!r}")
-      object.__setattr__(self, name, canonical)
-    for name in ("grad_accum_steps", "train_batch_size", "micro_batch_size"):
-      value = getattr(self, name)
-      if value is not None and (isinstance(value, bool)
-                                or not isinstance(value, int) or value < 1):
-        raise ValueError(f"ZeroConfig.{name} must be None or an integer >= 1,"
-                         f" got {value!r}")
-    if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-      raise ValueError(f"ZeroConfig.clip_grad_norm must be None (no clipping)"
-                       f" or > 0, got {self.clip_grad_norm!r}")
-    if self.loss_scale < 0:
-      raise ValueError(f"ZeroConfig.loss_scale must be 0 (dynamic) or > 0 "
-                       f"(static), got {self.loss_scale!r}")
+        _fail(name, f"None or one of {_COMPUTE_DTYPES}", value,
+              "None keeps float32" + (
+                  " throughout." if name == "compute_dtype" else
+                  " sums; 'bfloat16' halves the reduce-scatter bytes."))
+      self._set(name, canonical)
+    for name, fix in (
+        ("grad_accum_steps", "None runs one micro-batch per step, or "
+         "derives the count from the batch sizes."),
+        ("train_batch_size", "None leaves the global batch free."),
+        ("micro_batch_size", "None leaves the per-device batch free.")):
+      self._set(name, _check_int(name, getattr(self, name), 1, optional=True,
+                            fix=fix))
+    self._set("clip_grad_norm", _check_float(
+        "clip_grad_norm", self.clip_grad_norm, 0.0, strict=True,
+        optional=True, what="None (no clipping) or a finite number > 0",
+        fix="use None to turn clipping off, or a norm such as 1.0."))
+    self._set("loss_scale", _check_float(
+        "loss_scale", self.loss_scale, 0.0, maximum=_FLOAT32_MAX,
+        what="0 (dynamic) or a finite number > 0 (static) that fits in "
+        "float32", fix="use 0 for dynamic loss scaling, or a power of two "
+        "such as 1024.0 for a static scale."))
+    self._set("initial_scale_power", _check_int(
+        "initial_scale_power", self.initial_scale_power, 0, _MAX_SCALE_POWER,
+        fix=(f"the loss scale 2**power is kept in float32, where 2**"
+             f"{_MAX_SCALE_POWER + 1} and above are inf (every step would "
+             f"overflow and be skipped); the largest allowed power is "
+             f"{_MAX_SCALE_POWER} (DeepSpeed's default is 16).")))
+    self._set("loss_scale_window", _check_int(
+        "loss_scale_window", self.loss_scale_window, 1, _INT32_MAX,
+        fix="it counts the clean steps before the dynamic scale doubles "
+        "(DeepSpeed's default is 1000)."))
+    self._set("hysteresis", _check_int(
+        "hysteresis", self.hysteresis, 1, _INT32_MAX,
+        fix="it counts the overflows tolerated before the scale halves "
+        "(DeepSpeed's default is 2; 1 halves at once)."))
+    max_scale = 2.0 ** self.initial_scale_power
+    self._set("min_loss_scale", _check_float(
+        "min_loss_scale", self.min_loss_scale, 0.0, strict=True,
+        maximum=max_scale,
+        what=f"> 0 and at most the initial scale 2**"
+        f"{self.initial_scale_power} = {max_scale:g}",
+        fix="lower min_loss_scale (the default is 1.0), or raise "
+        "initial_scale_power."))
+    self._set("consecutive_hysteresis", _check_bool(
+        "consecutive_hysteresis", self.consecutive_hysteresis,
+        "True refills the hysteresis on every clean step."))
+    if self.offload_optimizer in ("nvme", "disk"):
+      _fail("offload_optimizer", "None or 'host'", self.offload_optimizer,
+            "offload to disk (NVMe) is not implemented; use 'host' to keep "
+            "the optimizer state in host memory.")
+    _check_choice("offload_optimizer", self.offload_optimizer, (None, "host"),
+                  "use 'host' to keep the optimizer state in host memory, "
+                  "None to keep it on the device.")
+    _check_choice("offload_params", self.offload_params, (None, "host"),
+                  "use 'host' (stage 3) to keep the fp32 master shards in "
+                  "host memory, None to keep them on the device.")
+    _check_choice("update_on", self.update_on, ("device", "host"),
+                  "'device' streams offloaded state through the device, "
+                  "'host' updates it on the host's CPU devices.")
+    self._set("delay_update", _check_bool(
+        "delay_update", self.delay_update,
+        "True (with update_on='host') applies each update one step late."))
+    self._set("skip_nonfinite", _check_bool(
+        "skip_nonfinite", self.skip_nonfinite,
+        "True skips steps whose gradients hold NaN or inf, False applies "
+        "them."))
+    self._set("max_consecutive_skips", _check_int(
+        "max_consecutive_skips", self.max_consecutive_skips, 1, _INT32_MAX,
+        fix="it counts the skipped steps in a row tolerated before "
+        "engine.step raises FloatingPointError (the default is 10)."))
+
+  def _check_combinations(self) -> None:
+    """Checks the fields against each other (each is valid on its own)."""
     if self.loss_scale > 0 and self.compute_dtype != "float16":
       raise ValueError(
           "ZeroConfig.loss_scale only applies to compute_dtype='float16' "
           f"(got compute_dtype={self.compute_dtype!r}); bfloat16 and float32 "
           "have float32's range and need no loss scaling.")
-    if self.loss_scale_window < 1 or self.hysteresis < 1:
-      raise ValueError("ZeroConfig.loss_scale_window and hysteresis must be "
-                       f">= 1, got {self.loss_scale_window!r} and "
-                       f"{self.hysteresis!r}")
-    if not 0 < self.min_loss_scale <= 2.0 ** self.initial_scale_power:
-      raise ValueError(
-          f"ZeroConfig.min_loss_scale must be > 0 and at most the initial "
-          f"scale 2**{self.initial_scale_power}, got {self.min_loss_scale!r}")
-    if self.offload_optimizer not in (None, "host"):
-      raise ValueError(
-          f"ZeroConfig.offload_optimizer must be None or 'host', got "
-          f"{self.offload_optimizer!r}" + (
-              "; offload to disk (NVMe) is not implemented"
-              if self.offload_optimizer in ("nvme", "disk") else ""))
-    if self.offload_params not in (None, "host"):
-      raise ValueError(f"ZeroConfig.offload_params must be None or 'host', "
-                       f"got {self.offload_params!r}")
     if self.offload_params and self.stage != 3:
       raise ValueError(
           f"ZeroConfig.offload_params needs stage=3 (got stage={self.stage}):"
           " only stage 3 shards the parameters it would stream per layer; "
           "at stages 1-2 use offload_optimizer='host' with a compute_dtype "
           "to offload the fp32 master.")
-    if self.update_on not in ("device", "host"):
-      raise ValueError(f"ZeroConfig.update_on must be 'device' or 'host', "
-                       f"got {self.update_on!r}")
-    if self.delay_update not in (False, True):
-      raise ValueError(f"ZeroConfig.delay_update must be True or False, got "
-                       f"{self.delay_update!r}")
     if self.delay_update and self.update_on != "host":
       raise ValueError("ZeroConfig.delay_update overlaps the host's update "
                        "with the next step: set update_on='host' (and "
@@ -215,11 +403,6 @@ class ZeroConfig:
       raise ValueError("ZeroConfig.update_on='host' runs the update where "
                        "offloaded state lives: set offload_optimizer='host' "
                        "or offload_params='host' too")
-    if self.min_shard_elements < 0:
-      raise ValueError(
-          f"ZeroConfig.min_shard_elements must be >= 0, got "
-          f"{self.min_shard_elements}; use 0 to shard every leaf that has a "
-          "dimension divisible by the number of devices.")
 
   @property
   def dynamic_loss_scale(self) -> bool:

@@ -31,12 +31,14 @@ only when the model's shape is given.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from typing import Sequence
 
 from zero_jax import memory
-from zero_jax.layers import REMAT_POLICIES
+from zero_jax.config import ZeroConfig
+from zero_jax.layers import NAMED_POLICIES, REMAT_POLICIES
 
 _GIB = 2 ** 30
 _SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -63,7 +65,8 @@ def parse_count(text: str) -> float:
     The count.
 
   Raises:
-    argparse.ArgumentTypeError: not such a count, or not positive.
+    argparse.ArgumentTypeError: not such a count, not finite (``1e400``),
+      or not positive.
   """
   m = re.fullmatch(r"\s*([0-9][0-9_,]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*"
                    r"([kmbgt]?)\s*", text, re.IGNORECASE)
@@ -73,8 +76,25 @@ def parse_count(text: str) -> float:
         "350k")
   value = float(m.group(1).replace("_", "").replace(",", ""))
   value *= _SUFFIXES[m.group(2).lower()]
+  if not math.isfinite(value):
+    raise argparse.ArgumentTypeError(
+        f"count {text!r} is beyond a float's range: use a number such as "
+        "7.5e9 or 1.3B")
   if value <= 0:
     raise argparse.ArgumentTypeError(f"count must be > 0, got {text!r}")
+  return value
+
+
+def _bytes_per_param(text: str) -> float:
+  """``--k``: finite bytes >= 0 (``float`` alone takes nan and inf)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+  if not (math.isfinite(value) and value >= 0):
+    raise argparse.ArgumentTypeError(
+        f"must be a finite number >= 0 (optimizer-state bytes per "
+        f"parameter, e.g. 8 for fp32 Adam), got {text!r}")
   return value
 
 
@@ -107,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                  choices=sorted(memory.OPTIMIZER_STATE_BYTES),
                  help="sets the optimizer-state bytes per parameter K "
                  "(default adamw: 8)")
-  p.add_argument("--k", type=float, default=None,
+  p.add_argument("--k", type=_bytes_per_param, default=None,
                  help="optimizer-state bytes per parameter; overrides "
                  "--optimizer")
   p.add_argument("--compute-dtype", default="fp32",
@@ -269,7 +289,6 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
   import optax  # pylint: disable=g-import-not-at-top
 
   from zero_jax import aot  # pylint: disable=g-import-not-at-top
-  from zero_jax.config import ZeroConfig  # pylint: disable=g-import-not-at-top
   from zero_jax.engine import Engine  # pylint: disable=g-import-not-at-top
   from zero_jax.models import make_loss_fn  # pylint: disable=g-import-not-at-top
 
@@ -348,8 +367,7 @@ def report(args: argparse.Namespace) -> str:
       f"(sharded over N = {n}, replica groups R = {args.replica}); "
       f"{opt} bytes/param; {precision}",
       f"paper (arXiv:1910.02054): {paper}", ""]
-  stages = range(4) if args.stage == "all" else [int(args.stage)]
-  for stage in stages:
+  for stage in _stages(args):
     lines += _stage_report(args, stage, activations)
     lines.append("")
   lines.append("zero_jax keeps no gradient buffer between steps; gradients "
@@ -388,8 +406,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(f"--devices {args.devices} is not divisible by --replica "
                  f"{args.replica}: state is sharded over devices / replica "
                  "devices")
-  if args.k is not None and args.k < 0:
-    parser.error(f"--k must be >= 0, got {args.k:g}")
   given = [a for a in _SHAPE_ARGS if getattr(args, a) is not None]
   if (given or args.vocab is not None) and len(given) < len(_SHAPE_ARGS):
     missing = [f"--{a.replace('_', '-')}" for a in _SHAPE_ARGS
@@ -397,13 +413,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error("the activation estimate needs all of --layers --hidden "
                  "--seq-len --micro-batch --heads; missing "
                  + " ".join(missing))
+  _check_config(parser, args)
   if args.compile is not None:
     _check_compile(parser, args)
   elif args.params is None:
     parser.error("--params is required (or --compile TARGET with the "
                  "model's shape, which counts them)")
+  _check_estimate(parser, args)
   print(report(args))
   return 0
+
+
+def _stages(args: argparse.Namespace) -> list[int]:
+  return list(range(4)) if args.stage == "all" else [int(args.stage)]
+
+
+def _check_config(parser: argparse.ArgumentParser,
+                  args: argparse.Namespace) -> None:
+  """Rejects options that ``ZeroConfig`` would reject, naming the flags."""
+  if args.offload_params and args.stage not in ("3", "all"):
+    parser.error(
+        f"--offload-params needs --stage 3 (got --stage {args.stage}): only "
+        "stage 3 shards the parameters it streams per layer; at stages 1-2 "
+        "use --offload-optimizer with --compute-dtype bf16 to offload the "
+        "fp32 master (--stage all applies --offload-params to stage 3 only)")
+  if args.compile is not None and args.remat in NAMED_POLICIES:
+    parser.error(
+        f"--remat {args.remat} needs checkpoint names (ZeroConfig."
+        "remat_names), which the command line cannot give: use --remat "
+        "full, none or dots_saveable with --compile")
+  for stage in _stages(args):
+    try:
+      ZeroConfig(
+          stage=stage, compute_dtype=_COMPUTE_DTYPES[args.compute_dtype],
+          reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
+          remat=args.remat if args.compile is not None else "full",
+          offload_optimizer="host" if args.offload_optimizer else None,
+          offload_params=("host" if args.offload_params and stage == 3
+                          else None))
+    except ValueError as e:
+      parser.error(f"these options give no valid ZeroConfig at stage "
+                   f"{stage}: {e}")
+
+
+def _check_estimate(parser: argparse.ArgumentParser,
+                    args: argparse.Namespace) -> None:
+  """Rejects sizes whose bytes overflow (finite, but absurd: 1e308)."""
+  compute = _COMPUTE_DTYPES[args.compute_dtype]
+  for stage in _stages(args):
+    try:
+      memory.estimate_memory(args.params, args.devices, stage,
+                             optimizer=args.optimizer, k=args.k,
+                             compute_dtype=compute, replica=args.replica)
+      memory.estimate_comm(args.params, args.devices, stage,
+                           compute_dtype=compute, replica=args.replica)
+    except ValueError as e:
+      parser.error(f"--params {args.params:g} with --k "
+                   f"{memory.optimizer_state_bytes(args.optimizer, args.k):g}"
+                   f": {e}")
 
 
 def _check_compile(parser: argparse.ArgumentParser,

@@ -25,6 +25,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Mapping
 
 import jax
@@ -33,6 +35,54 @@ import numpy as np
 
 from zero_jax.config import ZeroConfig
 from zero_jax.placement import Placement
+
+
+_PSI_FIX = ("pass the parameter count, e.g. 7.5e9 (zero_jax.memory."
+            "param_count(params) counts a tree)")
+_BYTES_FIX = "pass bytes per element, e.g. 2 for bfloat16 or 4 for float32"
+
+
+def _check_number(name: str, value: Any, *, strict: bool = True,
+                  fix: str) -> Any:
+  """``value`` if it is a finite real number > 0 (>= 0 unless strict).
+
+  Raises:
+    ValueError: it is not (bools, strings, nan and inf included); the
+      message names the argument, the value and ``fix``.
+  """
+  if (isinstance(value, numbers.Real) and not isinstance(value, bool)
+      and math.isfinite(value) and (value > 0 if strict else value >= 0)):
+    return value
+  raise ValueError(f"{name} must be a finite number {'>' if strict else '>='}"
+                   f" 0, got {value!r}; {fix}")
+
+
+def _check_count(name: str, value: Any, minimum: int = 1, *,
+                 fix: str) -> int:
+  """``value`` if it is an integer >= minimum (not a bool or a float)."""
+  if (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+      and value >= minimum):
+    return int(value)
+  hint = (f"write {int(value)}, an int; " if isinstance(value, float)
+          and value.is_integer() else "")
+  raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}; "
+                   f"{hint}{fix}")
+
+
+def _check_flag(name: str, value: Any) -> bool:
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise ValueError(f"{name} must be True or False, got {value!r}; True "
+                   f"stands for ZeroConfig({name}='host')")
+
+
+def _check_finite(what: str, values: Mapping[str, float]) -> None:
+  """Raises when a result overflowed float64 (finite inputs, huge product)."""
+  bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+  if bad:
+    raise ValueError(f"{what} overflows a float64 ({bad}): the inputs are "
+                     "too large to be real; check the parameter count and "
+                     "bytes per parameter")
 
 
 def paper_model_state_bytes(psi: float, n: int, stage: int, *,
@@ -51,7 +101,12 @@ def paper_model_state_bytes(psi: float, n: int, stage: int, *,
 
   Returns:
     Bytes per device.
+
+  Raises:
+    ValueError: a size is not finite, or negative (Ψ and N also not 0), or
+      the stage is not 0-3.
   """
+  _check_paper_args(psi, n, stage, param_bytes, grad_bytes, k)
   p, g, o = param_bytes * psi, grad_bytes * psi, k * psi
   if stage == 0:
     return p + g + o
@@ -198,9 +253,11 @@ class Estimate:
 
 
 def _data_axis(devices: int, replica: int) -> int:
-  if devices < 1 or replica < 1:
-    raise ValueError(f"devices and replica must be >= 1, got devices="
-                     f"{devices}, replica={replica}")
+  devices = _check_count("devices", devices,
+                         fix="pass the number of devices in all, e.g. "
+                         "jax.device_count()")
+  replica = _check_count("replica", replica,
+                         fix="pass the replica groups R (1: one group)")
   if devices % replica:
     raise ValueError(
         f"devices={devices} is not divisible by replica={replica}: state is "
@@ -210,8 +267,34 @@ def _data_axis(devices: int, replica: int) -> int:
 
 
 def _check_stage(stage: int) -> None:
-  if isinstance(stage, bool) or stage not in _STAGES:
+  if not (isinstance(stage, numbers.Integral) and not isinstance(stage, bool)
+          and stage in _STAGES):
     raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+
+
+def _check_paper_args(psi: float, n: int, stage: int, param_bytes: float,
+                      grad_bytes: float, k: float) -> None:
+  """The checks shared by the paper's formula and its split."""
+  _check_number("psi", psi, fix=_PSI_FIX)
+  _check_count("n", n, fix="pass the data-parallel devices N")
+  _check_stage(stage)
+  _check_number("param_bytes", param_bytes, strict=False, fix=_BYTES_FIX)
+  _check_number("grad_bytes", grad_bytes, strict=False, fix=_BYTES_FIX)
+  _check_number("k", k, strict=False,
+                fix="pass optimizer-state bytes per parameter, e.g. 12")
+
+
+def _check_replicated(replicated: float, psi: float) -> float:
+  """Replicated parameters: a finite count in [0, psi]."""
+  _check_number("replicated", replicated, strict=False,
+                fix="pass the count of parameters that stay replicated "
+                "(Engine.param_plan.replicated_elements), 0 for none")
+  if replicated > psi:
+    raise ValueError(f"replicated={replicated!r} exceeds the parameter "
+                     f"count psi={psi!r}; it counts parameters among the psi "
+                     "(Engine.param_plan.replicated_elements): pass at most "
+                     "psi")
+  return replicated
 
 
 def optimizer_state_bytes(optimizer: str = "adamw",
@@ -227,12 +310,12 @@ def optimizer_state_bytes(optimizer: str = "adamw",
 
   Raises:
     ValueError: unknown optimizer (the message lists the known ones) or
-      negative ``k``.
+      a ``k`` that is negative or not finite.
   """
   if k is not None:
-    if k < 0:
-      raise ValueError(f"k must be >= 0, got {k}")
-    return k
+    return _check_number("k", k, strict=False,
+                         fix="pass optimizer-state bytes per parameter, "
+                         "e.g. 8 for fp32 Adam")
   if optimizer not in OPTIMIZER_STATE_BYTES:
     raise ValueError(f"unknown optimizer {optimizer!r}; known: "
                      f"{sorted(OPTIMIZER_STATE_BYTES)} (or pass k=bytes per "
@@ -317,16 +400,33 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
 
   Returns:
     The estimate.
+
+  Raises:
+    ValueError: ``psi`` or ``devices`` is not finite or not > 0,
+      ``replica`` does not divide ``devices``, ``activations`` or
+      ``replicated`` is negative or not finite (or ``replicated`` > ``psi``),
+      or the options make an invalid ``ZeroConfig`` (its message names the
+      field).
   """
+  _check_number("psi", psi, fix=_PSI_FIX)
   n = _data_axis(devices, replica)
   _check_stage(stage)
   kb = optimizer_state_bytes(optimizer, k)
   c = _compute_bytes(compute_dtype)
-  r = min(max(replicated, 0), psi)
+  r = _check_replicated(replicated, psi)
+  if activations is not None:
+    _check_number("activations", activations, strict=False,
+                  fix="pass activation bytes per device (e.g. from "
+                  "estimate_activations), or None")
+  offload_optimizer = _check_flag("offload_optimizer", offload_optimizer)
+  offload_params = _check_flag("offload_params", offload_params)
   full = lambda b: b * psi
   sharded = lambda b: b * ((psi - r) / n + r)
   if offload_params and stage != 3:
-    raise ValueError("offload_params needs stage 3")
+    raise ValueError(f"offload_params needs stage 3, got stage={stage}: only "
+                     "stage 3 shards the parameters it would stream; at "
+                     "stages 1-2 pass offload_optimizer=True with a "
+                     "compute_dtype to offload the fp32 master")
   # Where master, moments and the compute copy live: the engine's rules.
   # (Only whether a 16-bit copy exists matters to the layout; c sizes it.)
   pl = Placement.of(ZeroConfig(
@@ -357,10 +457,13 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
   host_grads = 0.0
   if pl.grads_on_host:
     host_grads, grads = grads, 0.0
-  return Estimate(params=float(params), grads=float(grads),
-                  opt_state=float(opt_state),
-                  activations=float(activations or 0), host=float(host),
-                  host_grads=float(host_grads))
+  est = Estimate(params=float(params), grads=float(grads),
+                 opt_state=float(opt_state),
+                 activations=float(activations or 0), host=float(host),
+                 host_grads=float(host_grads))
+  _check_finite(f"estimate_memory(psi={psi!r}, k={kb!r})",
+                dataclasses.asdict(est) | {"total": est.total})
+  return est
 
 
 def paper_estimate(psi: float, n: int, stage: int, *, param_bytes: int = 2,
@@ -378,8 +481,11 @@ def paper_estimate(psi: float, n: int, stage: int, *, param_bytes: int = 2,
 
   Returns:
     The estimate (no activations: the paper counts model states).
+
+  Raises:
+    ValueError: as ``paper_model_state_bytes``.
   """
-  _check_stage(stage)
+  _check_paper_args(psi, n, stage, param_bytes, grad_bytes, k)
   p, g, o = param_bytes * psi, grad_bytes * psi, k * psi
   return Estimate(params=p / n if stage >= 3 else p,
                   grads=g / n if stage >= 2 else g,
@@ -415,8 +521,20 @@ def estimate_activations(*, layers: int, hidden: int, seq_len: int,
 
   Returns:
     Bytes per device.
+
+  Raises:
+    ValueError: a dimension is not an integer >= 1 (``vocab`` >= 0),
+      ``bytes_per_element`` is not a finite number > 0, or ``remat`` is
+      neither ``"full"`` nor ``"none"``.
   """
-  if remat not in ("full", "none"):
+  for name, value in (("layers", layers), ("hidden", hidden),
+                      ("seq_len", seq_len), ("micro_batch", micro_batch),
+                      ("heads", heads)):
+    _check_count(name, value, fix="pass the model's shape")
+  _check_count("vocab", vocab, 0, fix="pass the vocabulary size, or 0 to "
+               "leave the logits out")
+  _check_number("bytes_per_element", bytes_per_element, fix=_BYTES_FIX)
+  if not isinstance(remat, str) or remat not in ("full", "none"):
     raise ValueError(f"remat must be 'full' or 'none', got {remat!r}")
   tbd = seq_len * micro_batch * hidden
   per_layer = (tbd * (34 + 5 * heads * seq_len / hidden) *
@@ -465,13 +583,17 @@ def estimate_comm(psi: float, devices: int, stage: int, *,
   Returns:
     ``{kind: {"elements": ..., "bytes": ...}}`` with kinds named as in
     ``zero_jax.hlo.summarize``; kinds a stage does not use are left out.
+
+  Raises:
+    ValueError: as ``estimate_memory``.
   """
+  _check_number("psi", psi, fix=_PSI_FIX)
   n = _data_axis(devices, replica)
   _check_stage(stage)
   sizes = {"all-gather": _compute_bytes(compute_dtype) or 4,
            "reduce-scatter": _compute_bytes(reduce_dtype) or 4,
            "all-reduce": _compute_bytes(reduce_dtype) or 4}
-  r = min(max(replicated, 0), psi)
+  r = _check_replicated(replicated, psi)
   s = psi - r
   if stage == 0:
     elements = {"all-reduce": psi}
@@ -479,8 +601,12 @@ def estimate_comm(psi: float, devices: int, stage: int, *,
     elements = {"reduce-scatter": s,
                 "all-gather": 2 * s if stage == 3 else s,
                 "all-reduce": r + (s / n if replica > 1 else 0)}
-  return {kind: {"elements": float(e), "bytes": float(e * sizes[kind])}
-          for kind, e in elements.items() if e}
+  out = {kind: {"elements": float(e), "bytes": float(e * sizes[kind])}
+         for kind, e in elements.items() if e}
+  _check_finite(f"estimate_comm(psi={psi!r})",
+                {f"{kind} {unit}": v for kind, d in out.items()
+                 for unit, v in d.items()})
+  return out
 
 
 def comm_volume(sizes: Mapping[str, float]) -> float:
@@ -518,7 +644,13 @@ def comm_in_psi(summary: Mapping[str, Mapping[str, int]], psi: float,
 
   Returns:
     ``{kind: elements / Ψ}``.
+
+  Raises:
+    ValueError: ``psi`` is not a finite number > 0, or ``n`` not an
+      integer >= 1.
   """
+  _check_number("psi", psi, fix=_PSI_FIX)
+  _check_count("n", n, fix="pass the devices of the data axis")
   return {kind: d["elements"] * (n if kind == "reduce-scatter" else 1) / psi
           for kind, d in summary.items()}
 
