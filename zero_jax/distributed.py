@@ -364,11 +364,11 @@ class _FailFast:
 
 
 def _system_exit_code(code: Any) -> int:
-  """The exit status ``SystemExit(code)`` gives, as Python computes it."""
+  """The exit status ``SystemExit(code)`` gives, as the OS reports it."""
   if code is None:
     return 0
   if isinstance(code, int):
-    return code
+    return code & 0xFF  # (sys.exit(256) exits 0, sys.exit(-1) 255)
   return 1  # (Python prints a message to stderr and exits 1)
 
 
@@ -516,9 +516,10 @@ def initialize(coordinator_address: str | None = None,
       long counts as dead, and the coordination service then terminates all
       processes. This bounds how long the others can hang after a process
       is killed (JAX's own default is 100 s).
-    fail_fast: if a process ends with an uncaught exception, it exits at
-      once and the others (polling once a second) exit too, instead of waiting
-      for timeouts (see the module docstring).
+    fail_fast: if a process ends with an uncaught exception or
+      ``sys.exit(n)``, ``n`` non-zero, it exits at once and the others
+      (polling once a second) exit too, with the same exit code, instead of
+      waiting for timeouts (see the module docstring).
     **kwargs: passed to ``jax.distributed.initialize`` (e.g.
       ``initialization_timeout``, ``shutdown_timeout_seconds``,
       ``cluster_detection_method``).

@@ -7,17 +7,25 @@ starts two copies of ``train.py ARGS`` that find each other through
 collectives over gloo: a multi-host run simulated on one machine.
 
 Like ``torchrun``: each process's output is streamed line by line, prefixed
-with ``[i]``; if a process fails, the others get SIGTERM and, after a grace
-period, SIGKILL, and the launcher exits with the failed process's code;
-SIGTERM and SIGINT sent to the launcher go to every process.
+with ``[i]``; if a process fails (exits non-zero: an uncaught exception,
+``sys.exit(n)``, a signal), the others get SIGTERM and, after
+``--failure-grace-period`` (at most 5 s by default: a multi-process JAX
+script ignores SIGTERM), SIGKILL, and the launcher exits with the failed
+process's code; SIGTERM and SIGINT sent to the launcher go to every process,
+SIGKILL following after ``--grace-period`` (30 s: time for a final
+checkpoint). Inside the processes, ``zero_jax.distributed``'s fail_fast
+makes a failing process exit at once rather than in JAX's shutdown barrier,
+and the others exit with its code.
 
 ``--watchdog SECONDS`` ends a job that hangs: when a running process has
 gone SECONDS without finishing a training step (counted from its launch
 until its first step, so the limit must cover start-up and the first
 compilation too), the launcher prints the Python stack of every running
-process (through ``faulthandler``, in the process's own stderr), ends the
-job as after a failure, and exits 124. Steps are reported by
-``zero_jax.distributed.step_done()``, which ``Engine.step`` calls.
+process (through ``faulthandler``, in the process's own stderr, prefixed
+``[i]`` like the rest), ends the job as after a failure, and exits 124.
+Steps are reported by ``zero_jax.distributed.step_done()``, which
+``Engine.step`` calls; importing ``zero_jax.distributed`` registers the
+stack dump (a process that never does gets no stack dump).
 
 Exit status:
 
