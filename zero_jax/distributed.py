@@ -28,15 +28,32 @@ process stops sending heartbeats. ``initialize`` adds what it misses (with
 once (JAX would first wait in its shutdown barrier for the others, until
 their heartbeats time out or, if they are alive but stuck in a collective,
 for the 300 s shutdown timeout) and tells the others, which exit within a
-second with a message naming the failed process and its error.
+second with the same exit code and a message naming the failed process and
+its error. ``sys.exit(n)`` with ``n`` non-zero in the main thread counts as
+a failure with exit code ``n`` (``sys.exit(0)`` does not: that process
+waits in JAX's shutdown barrier for the others, as without ``fail_fast``).
+Only ``sys.exit`` is seen: ``raise SystemExit(n)`` exits through JAX's
+barrier, and a ``sys.exit(n)`` that the script catches and swallows still
+counts, unless ``step_done()`` is called after it (training went on). A
+process killed by a signal is for the launcher (or JAX's heartbeats) to
+notice.
+
+Hangs. Under ``python -m zero_jax.launch --watchdog SECONDS`` every process
+reports its training steps through ``step_done()`` (``Engine.step`` calls
+it), which touches a per-process file the launcher watches (at most once a
+second; without the launcher's variable it does nothing). Importing this
+module there also registers ``faulthandler`` on SIGUSR1, so that the
+launcher can print a stuck process's Python stack.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import faulthandler
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -53,6 +70,12 @@ ENV_COORDINATOR = "ZERO_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "ZERO_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "ZERO_JAX_PROCESS_ID"
 ENV_CPU_DEVICES = "ZERO_JAX_CPU_DEVICES"
+# Set by ``python -m zero_jax.launch --watchdog``: the file this process
+# touches when it finishes a training step (``step_done``).
+ENV_HEARTBEAT_FILE = "ZERO_JAX_HEARTBEAT_FILE"
+# The signal on which a process started with ENV_HEARTBEAT_FILE prints every
+# thread's Python stack to its stderr.
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 # Seconds without heartbeats after which the coordination service declares a
 # process dead and terminates all of them. JAX's default (100 s) lets a job
@@ -64,6 +87,12 @@ DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 30
 # The coordination-service key a failing process writes its error to.
 _ABORT_KEY = "zero_jax/abort"
 _POLL_SECONDS = 1.0
+# Separates the error from the exit code in the abort value (a character no
+# error message holds).
+_CODE_MARK = "\x1f"
+# step_done() touches the heartbeat file at most this often: a step costs at
+# most one time.monotonic() call in between.
+_HEARTBEAT_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,22 +232,31 @@ def _client() -> Any:
 class _FailFast:
   """Ends every process of a run promptly when one of them fails.
 
-  A process whose main thread raises writes its error to the coordination
-  service and exits at once; a watchdog thread in every process polls for
-  that error and exits too.
+  A process whose main thread raises, or calls ``sys.exit`` with a non-zero
+  code, writes its exit code and error to the coordination service and exits
+  at once; a watchdog thread in every process polls for that error and exits
+  too, with the same code.
   """
 
   def __init__(self, client: Any, process_id: int):
     self._client = client
     self._pid = process_id
     self._stop = threading.Event()
-    self._failed = False
+    self._exit_code = 0  # non-zero: this process failed, exit with it
+    # The code of the main thread's last sys.exit() (None: not called, or
+    # training went on after it).
+    self.exit_requested: int | None = None
     self._previous_hook = sys.excepthook
+    self._previous_exit = sys.exit
     self._thread = threading.Thread(target=self._watch, daemon=True,
                                     name="zero_jax-fail-fast")
 
   def start(self) -> None:
     sys.excepthook = self._excepthook
+    # SystemExit never reaches sys.excepthook, and atexit handlers cannot see
+    # the exit code: only a sys.exit() that records it can tell a failing
+    # sys.exit(3) from a normal end.
+    sys.exit = self._exit
     # Registered after JAX's own exit handler, so it runs first: it must
     # stop the watchdog before JAX shuts the client down.
     atexit.register(self._at_exit)
@@ -236,6 +274,8 @@ class _FailFast:
     # (==, not is: every self._excepthook is a new bound-method object.)
     if sys.excepthook == self._excepthook:
       sys.excepthook = self._previous_hook
+    if sys.exit == self._exit:
+      sys.exit = self._previous_exit
 
   def _watch(self) -> None:
     while not self._stop.wait(_POLL_SECONDS):
@@ -249,24 +289,53 @@ class _FailFast:
         continue
       if self._stop.is_set():
         return
-      _stderr(f"zero_jax.distributed: {message}; stopping process "
+      code, text = _parse_abort(str(message))
+      _stderr(f"zero_jax.distributed: {text}; stopping process "
               f"{self._pid} too.")
       self._linger()
-      os._exit(1)  # pylint: disable=protected-access
+      # The failed process's code: whichever process the launcher sees end
+      # first, the job's status is the failure's.
+      os._exit(code)  # pylint: disable=protected-access
+
+  def _exit(self, status: Any = None) -> None:
+    """``sys.exit`` that remembers the main thread's exit code."""
+    try:
+      self._previous_exit(status)
+    except SystemExit as e:
+      # (In another thread, sys.exit ends only that thread.)
+      if threading.current_thread() is threading.main_thread():
+        self.exit_requested = _system_exit_code(e.code)
+      raise
 
   def _excepthook(self, exc_type, exc, tb) -> None:
     self._previous_hook(exc_type, exc, tb)
-    self._failed = True
+    self._fail(1, f"process {self._pid} failed with {exc_type.__name__}: "
+               f"{exc}")
+
+  def _fail(self, code: int, text: str) -> None:
+    """Marks this process failed with ``code`` and tells the others; if
+    another process failed first, takes that one's code instead."""
+    self._exit_code = code
     self._stop.set()
-    text = f"process {self._pid} failed with {exc_type.__name__}: {exc}"
     if len(text) > 1000:
       text = text[:1000] + "..."
 
     def publish():
       try:
-        self._client.key_value_set(_ABORT_KEY, text)
+        self._client.key_value_set(_ABORT_KEY, _abort_value(code, text))
+        return
       except Exception:  # pylint: disable=broad-except
         pass  # another process failed first, or the coordinator is gone
+      try:
+        first = self._client.key_value_try_get(_ABORT_KEY)
+      except Exception:  # pylint: disable=broad-except
+        return
+      # This failure is most likely the other's consequence (a collective
+      # with a process that has gone): the job's status is the first one's,
+      # whichever process the launcher sees end first.
+      self._exit_code, first_text = _parse_abort(str(first))
+      _stderr(f"zero_jax.distributed: {first_text} before process "
+              f"{self._pid} failed.")
 
     # In a thread, so that an unreachable coordinator cannot hold us here.
     sender = threading.Thread(target=publish, daemon=True)
@@ -274,20 +343,50 @@ class _FailFast:
     sender.join(timeout=5)
 
   def _at_exit(self) -> None:
+    if not self._exit_code and self.exit_requested:
+      self._fail(self.exit_requested, f"process {self._pid} exited with "
+                 f"code {self.exit_requested} (sys.exit)")
     self._halt()
-    if self._failed:
+    if self._exit_code:
       # Skip JAX's shutdown barrier: it would wait for processes that are
       # stuck in a collective with this one, until a timeout.
-      _stderr(f"zero_jax.distributed: process {self._pid} exits without "
-              "waiting for the others (fail_fast).")
+      _stderr(f"zero_jax.distributed: process {self._pid} exits with code "
+              f"{self._exit_code} without waiting for the others "
+              "(fail_fast).")
       self._linger()
-      os._exit(1)  # pylint: disable=protected-access
+      os._exit(self._exit_code)  # pylint: disable=protected-access
 
   def _linger(self) -> None:
     # Process 0 hosts the coordination service: give the others one more
     # poll to read the error before it disappears with this process.
     if self._pid == 0:
       time.sleep(2 * _POLL_SECONDS)
+
+
+def _system_exit_code(code: Any) -> int:
+  """The exit status ``SystemExit(code)`` gives, as the OS reports it."""
+  if code is None:
+    return 0
+  if isinstance(code, int):
+    return code & 0xFF  # (sys.exit(256) exits 0, sys.exit(-1) 255)
+  return 1  # (Python prints a message to stderr and exits 1)
+
+
+def _abort_value(code: int, text: str) -> str:
+  """What a failing process publishes: its error, and its exit code unless
+  that is 1 (an uncaught exception's)."""
+  return text if code == 1 else f"{text}{_CODE_MARK}{code}"
+
+
+def _parse_abort(value: str) -> tuple[int, str]:
+  """``(exit code, text)`` of an ``_abort_value``."""
+  text, mark, code = value.rpartition(_CODE_MARK)
+  if mark:
+    try:
+      return int(code), text
+    except ValueError:
+      pass
+  return 1, value
 
 
 def _stderr(message: str) -> None:
@@ -299,6 +398,82 @@ def _stderr(message: str) -> None:
 
 
 _fail_fast: _FailFast | None = None
+
+
+class _Heartbeat:
+  """This process's heartbeat file, touched by ``step_done()``.
+
+  Created when this module is imported under ``zero_jax.launch --watchdog``
+  with mtime 0, which tells the launcher "running, no step yet"; every
+  later mtime means a step.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self.due = 0.0  # time.monotonic() of the next touch
+
+  def create(self) -> None:
+    try:
+      # O_EXCL: a subprocess of this one (a data loader) inherits the
+      # variable and imports this module too; it must not reset the file.
+      os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+      os.utime(self.path, ns=(0, 0))
+    except OSError:
+      pass
+
+  def beat(self) -> None:
+    now = time.monotonic()
+    if now < self.due:
+      return
+    self.due = now + _HEARTBEAT_SECONDS
+    try:
+      os.utime(self.path)
+    except OSError:
+      pass  # (the launcher removed it: it is ending the job)
+
+
+def _start_heartbeat(env: Mapping[str, str]) -> _Heartbeat | None:
+  """The heartbeat the launcher asked for, if it did; registers the stack
+  dump on ``STACK_DUMP_SIGNAL`` with it."""
+  path = env.get(ENV_HEARTBEAT_FILE, "").strip()
+  if not path:
+    return None
+  heartbeat = _Heartbeat(path)
+  if sys.stderr is not None:
+    try:
+      # The launcher sends the signal when the watchdog fires: the stacks
+      # say where the process hangs (in C code too, where Python's own
+      # signal handlers would never run).
+      faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr,
+                            all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError, RuntimeError):
+      pass  # (no usable stderr file descriptor: no stacks)
+  heartbeat.create()  # after the handler: the file says it is there
+  return heartbeat
+
+
+_heartbeat: _Heartbeat | None = _start_heartbeat(os.environ)
+
+
+def step_done() -> None:
+  """Reports that this process finished a training step.
+
+  ``Engine.step`` calls it once per step; a training loop that does not use
+  the engine calls it itself. It feeds the watchdog of ``python -m
+  zero_jax.launch --watchdog SECONDS``, which ends a job whose processes go
+  that long without a step. Costs one ``time.monotonic()`` call per step, a
+  file touch at most once a second, and nothing at all when the launcher's
+  watchdog is off.
+
+  It also tells ``fail_fast`` that training went on after a ``sys.exit``
+  the script caught: that call no longer decides the exit code.
+  """
+  heartbeat = _heartbeat
+  if heartbeat is not None:
+    heartbeat.beat()
+  guard = _fail_fast
+  if guard is not None and guard.exit_requested is not None:
+    guard.exit_requested = None
 
 
 def initialize(coordinator_address: str | None = None,
@@ -341,9 +516,10 @@ def initialize(coordinator_address: str | None = None,
       long counts as dead, and the coordination service then terminates all
       processes. This bounds how long the others can hang after a process
       is killed (JAX's own default is 100 s).
-    fail_fast: if a process ends with an uncaught exception, it exits at
-      once and the others (polling once a second) exit too, instead of waiting
-      for timeouts (see the module docstring).
+    fail_fast: if a process ends with an uncaught exception or
+      ``sys.exit(n)``, ``n`` non-zero, it exits at once and the others
+      (polling once a second) exit too, with the same exit code, instead of
+      waiting for timeouts (see the module docstring).
     **kwargs: passed to ``jax.distributed.initialize`` (e.g.
       ``initialization_timeout``, ``shutdown_timeout_seconds``,
       ``cluster_detection_method``).
