@@ -125,3 +125,13 @@ def test_without_skip_nonfinite_nan_propagates():
   state, metrics = engine.step(state, _nan_batch())
   assert "skipped" not in metrics
   assert not np.isfinite(np.asarray(jax.tree.leaves(state.params)[0])).all()
+
+
+def test_each_step_reports_progress_to_the_launchers_watchdog(monkeypatch):
+  calls = []
+  monkeypatch.setattr(zj.distributed, "step_done", lambda: calls.append(1))
+  engine = _engine()
+  state = engine.init(m.mlp_params())
+  for batch in m.mlp_batches(3):
+    state, _ = engine.step(state, batch)
+  assert len(calls) == 3

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import (_compat, collectives, host_update, layers,
+from zero_jax import (_compat, collectives, distributed, host_update, layers,
                       loss_scale as _ls, stream)
 from zero_jax.config import ZeroConfig
 from zero_jax.mesh import DATA, REPLICA, batch_axes, layout_mesh
@@ -133,6 +133,9 @@ class _StepFunction:
     if not engine.placement.loss_scaling and engine.config.skip_nonfinite:
       self._skipped.append(metrics["skipped"])
     self._returned = state
+    # The launcher's watchdog (--watchdog) sees progress. (The skip flag
+    # read at the next call waits for this step, so a hung step stops it.)
+    distributed.step_done()
     return state, metrics
 
   def check(self) -> None:
