@@ -164,9 +164,9 @@ class Checkpointer:
       if self._is_committed(step):
         return False  # (e.g. a periodic save and a preemption save coincide)
       raise FileExistsError(
-          f"{self._step_path(step)} exists but is not a committed zero_jax "
-          "checkpoint (an interrupted save or a foreign directory); move or "
-          "delete it, then save again")
+          f"{str(self._step_path(step))!r} exists but is not a committed "
+          "zero_jax checkpoint (an interrupted save or a foreign directory); "
+          "move or delete it, then save again")
     if self._local:
       try:
         _check_usable(self.directory)
@@ -236,9 +236,9 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       # The save's other threads may wait for a directory that will never
       # come (until orbax's 300 s timeout), holding the process at exit.
-      _release_orbax_threads(pending[1] if pending else None)
       if pending is None:
         raise
+      _release_orbax_threads(pending[1])
       raise self._write_error(pending[0], e, "failed in the background") \
           from e
     if pending is not None and not self._is_committed(pending[0]):
@@ -366,9 +366,9 @@ class Checkpointer:
     if step not in steps:
       if step in self._manager.all_steps():
         raise FileNotFoundError(
-            f"{self._step_path(step)} is not a committed zero_jax checkpoint "
-            "(an interrupted save or a foreign directory: no commit marker "
-            f"or no zero_jax metadata); restore one of {steps}")
+            f"{str(self._step_path(step))!r} is not a committed zero_jax "
+            "checkpoint (an interrupted save or a foreign directory: no "
+            f"commit marker or no zero_jax metadata); restore one of {steps}")
       raise FileNotFoundError(f"no checkpoint of step {step} in "
                               f"{self.directory!r}; kept: {steps}")
     return step
@@ -686,6 +686,8 @@ def _release_orbax_threads(operation_id: str | None) -> None:
   once. Best effort: this reaches into orbax's internals, and does nothing
   where they differ.
   """
+  if operation_id is None:  # (which threads are the save's is unknown)
+    return
   try:
     from orbax.checkpoint._src.futures import future  # pylint: disable=g-import-not-at-top
     thread_cls = future._SignalingThread  # pylint: disable=protected-access
@@ -694,7 +696,7 @@ def _release_orbax_threads(operation_id: str | None) -> None:
   for t in threading.enumerate():
     op = getattr(t, "_operation_id", None)
     if (not isinstance(t, thread_cls) or not t.is_alive() or
-        (operation_id is not None and op != operation_id)):
+        op != operation_id):
       continue
     try:
       t.cancel()
