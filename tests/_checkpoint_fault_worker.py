@@ -2,15 +2,18 @@
 
 Usage: python -m tests._checkpoint_fault_worker MODE DIR
 
-Every mode saves step 1 into DIR, then breaks the next save of step 2 and
-prints what the Checkpointer reported: ``SAVED <bool>`` for ``save``'s
-result and ``ERROR <type>: <message>`` for an exception, then ``DONE``. The
-test measures how long the process takes to exit.
+Every mode saves step 1 into DIR, keeping one checkpoint (a save of step 2
+would replace it), then breaks the save of step 2 and prints what the
+Checkpointer reported: ``SAVED <bool>`` for ``save``'s result and
+``ERROR <type>: <message>`` for an exception, then ``DONE``. The test
+measures how long the process takes to exit.
 
 - ``disk_full``: the data files of step 2 fail to write (a file size limit,
-  as a full disk would; root is subject to it too); then ``wait``.
+  as a full disk would; root is subject to it too); then ``wait``, and
+  ``STEPS <all_steps()>``.
 - ``no_step_directory``: the step directory of step 2 cannot be created (a
-  file is in the way of orbax's temporary directory); then ``close``.
+  dangling link is in the way of orbax's temporary directory); then
+  ``close``.
 - ``never_waits``: as ``no_step_directory``, but the program exits without
   ``wait`` or ``close``.
 - ``read_only``: the directory is made read-only (not as root); then
@@ -50,7 +53,7 @@ def main(mode: str, directory: str) -> None:
                      zj.make_mesh(8))
   batches = m.mlp_batches(2)
   state, _ = m.run_steps(engine, engine.init(m.mlp_params()), batches[:1])
-  ckpt = zj.Checkpointer(directory)
+  ckpt = zj.Checkpointer(directory, max_to_keep=1)
   ckpt.save(state, engine=engine)
   ckpt.wait()
   state, _ = m.run_steps(engine, state, batches[1:])
@@ -71,6 +74,7 @@ def main(mode: str, directory: str) -> None:
   _report(lambda: ckpt.save(state, engine=engine))
   if mode == "disk_full":
     _report(ckpt.wait)
+    print(f"STEPS {ckpt.all_steps()}", flush=True)  # (as on disk)
   if mode != "never_waits":
     _report(ckpt.close)
   print("DONE", flush=True)

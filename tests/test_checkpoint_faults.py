@@ -50,7 +50,7 @@ def _worker(mode: str, directory: str) -> list[str]:
   log = proc.stdout + proc.stderr
   assert proc.returncode == 0, log[-3000:]
   lines = [l for l in proc.stdout.splitlines()
-           if l.startswith(("SAVED", "ERROR", "DONE"))]
+           if l.startswith(("SAVED", "ERROR", "STEPS", "DONE"))]
   assert lines and lines[-1] == "DONE", log[-3000:]
   return lines + [l for l in proc.stderr.splitlines()
                   if l.startswith("zero_jax")]
@@ -76,7 +76,9 @@ def test_a_write_failing_in_the_background_is_raised_by_wait(tmp_path):
   for words in ("step 2", repr(directory), "failed in the background",
                 "File too large", "kept: [1]", "another directory"):
     assert words in error, error
-  assert lines[2:] == ["DONE"], lines  # reported once, by wait
+  # Reported once, by wait; step 1, which step 2 was to replace
+  # (max_to_keep=1), is still listed.
+  assert lines[2:] == ["STEPS [1]", "DONE"], lines
   _assert_only_step_1_restores(directory)
 
 

@@ -90,6 +90,11 @@ class Checkpointer:
       it (before that, and on a second SIGTERM, the process terminates as
       usual). Multi-process runs use JAX's preemption service instead,
       which agrees on one step for all processes.
+
+  Raises:
+    OSError: a local ``directory`` is a file, or cannot be created or
+      written (``NotADirectoryError``, ``PermissionError``, ...); the
+      message names the path and the fix.
   """
 
   def __init__(self, directory: str | os.PathLike, *,
@@ -159,10 +164,13 @@ class Checkpointer:
         committed zero_jax checkpoint.
     """
     step = int(state.step)
+    # (E.g. a periodic save and a preemption save coincide.)
+    if self._pending is not None and self._pending[0] == step:
+      return False  # being saved
     self._finish()  # (orbax would wait for the previous save here anyway)
     if step in self._manager.all_steps():
       if self._is_committed(step):
-        return False  # (e.g. a periodic save and a preemption save coincide)
+        return False
       raise FileExistsError(
           f"{str(self._step_path(step))!r} exists but is not a committed "
           "zero_jax checkpoint (an interrupted save or a foreign directory); "
@@ -186,9 +194,9 @@ class Checkpointer:
     try:
       started = self._manager.save(step, args=ocp.args.Composite(
           meta=ocp.args.JsonSave(meta), **items))
-    except Exception as e:  # orbax raises many types; say which save
+    except (OSError, ValueError) as e:  # (orbax's "could not create")
       _release_orbax_threads(_operation_id())
-      raise self._write_error(step, e, "could not start") from e
+      raise self._write_error(step, e, "failed") from e
     if started:
       self._pending = (step, _operation_id())
     return started
@@ -234,20 +242,26 @@ class Checkpointer:
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      # The save's other threads may wait for a directory that will never
-      # come (until orbax's 300 s timeout), holding the process at exit.
       if pending is None:
         raise
-      _release_orbax_threads(pending[1])
-      raise self._write_error(pending[0], e, "failed in the background") \
-          from e
+      raise self._failed(pending, e) from e
     if pending is not None and not self._is_committed(pending[0]):
       # Orbax logs some failures (e.g. of its commit callback) and goes on.
-      _release_orbax_threads(pending[1])
-      raise self._write_error(
-          pending[0], RuntimeError("the checkpoint was not committed; see "
-                                   "orbax's log above"),
-          "failed in the background")
+      raise self._failed(pending, RuntimeError(
+          "the checkpoint was not committed; see orbax's log above"))
+
+  def _failed(self, pending: tuple[int, str | None],
+              e: BaseException) -> CheckpointWriteError:
+    # The save's other threads may wait for a step directory that will
+    # never come (until orbax's 300 s timeout), holding the process at exit.
+    _release_orbax_threads(pending[1])
+    try:
+      # Orbax dropped the steps this save was to replace (max_to_keep) from
+      # its list; they are still on disk, and still the ones to resume.
+      self._manager.reload()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    return self._write_error(pending[0], e, "failed in the background")
 
   def _write_error(self, step: int, e: BaseException,
                    what: str) -> CheckpointWriteError:
