@@ -31,12 +31,18 @@ start training with a fresh optimizer.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
+import json
 import os
 import signal
+import sys
+import tempfile
 import threading
+import weakref
 from typing import Any
 
+from etils import epath
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -46,6 +52,22 @@ from zero_jax.engine import Engine, TrainState
 
 # The parts of the TrainState a checkpoint stores (compute_params is derived).
 _STORED = ("step", "params", "opt_state", "rng")
+
+
+class CheckpointWriteError(OSError):
+  """Saving a checkpoint failed; the checkpoints committed before are intact.
+
+  Raised by ``Checkpointer.save`` when the directory cannot take the
+  checkpoint, and by the next ``save``, ``wait`` or ``close`` when an
+  asynchronous save failed in the background (a full disk, a lost
+  permission, a file system error). ``step`` and ``directory`` say which
+  save; ``__cause__`` is the error underneath.
+  """
+
+  def __init__(self, message: str, step: int, directory: str):
+    super().__init__(message)
+    self.step = step
+    self.directory = directory
 
 
 class Checkpointer:
@@ -68,6 +90,11 @@ class Checkpointer:
       it (before that, and on a second SIGTERM, the process terminates as
       usual). Multi-process runs use JAX's preemption service instead,
       which agrees on one step for all processes.
+
+  Raises:
+    OSError: a local ``directory`` is a file, or cannot be created or
+      written (``NotADirectoryError``, ``PermissionError``, ...); the
+      message names the path and the fix.
   """
 
   def __init__(self, directory: str | os.PathLike, *,
@@ -76,17 +103,25 @@ class Checkpointer:
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
     self.directory = os.fspath(directory)
+    self._local = "://" not in self.directory
+    if self._local:
+      # Orbax would accept a file or an unwritable path here and fail only
+      # in its background threads, which then keep the process alive.
+      _check_usable(self.directory)
     self._manager = ocp.CheckpointManager(
-        os.path.abspath(self.directory) if "://" not in self.directory
-        else self.directory,
+        os.path.abspath(self.directory) if self._local else self.directory,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "loss_scale": ocp.StandardCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
             create=True))
+    self._root = epath.Path(self._manager.directory)
+    self._pending: tuple[int, str | None] | None = None  # (step, operation)
+    self._committed: set[int] = set()  # steps verified on disk
     self._sigterm = threading.Event()
     self._polled = False
+    _at_thread_shutdown(self)
     self._previous_handler = None
     self._installed = False
     if (handle_sigterm and jax.process_count() == 1 and
@@ -120,33 +155,122 @@ class Checkpointer:
 
     Returns:
       True if a checkpoint was started, False if this step has one already.
+
+    Raises:
+      CheckpointWriteError: the previous asynchronous save failed (nothing
+        of this step is started then), or the directory cannot take this
+        one. The checkpoints committed before are intact.
+      FileExistsError: the directory of this step exists but is not a
+        committed zero_jax checkpoint.
     """
     step = int(state.step)
+    # (E.g. a periodic save and a preemption save coincide.)
+    if self._pending is not None and self._pending[0] == step:
+      return False  # being saved
+    self._finish()  # (orbax would wait for the previous save here anyway)
     if step in self._manager.all_steps():
-      return False  # (e.g. a periodic save and a preemption save coincide)
+      if self._is_committed(step):
+        return False
+      raise FileExistsError(
+          f"{str(self._step_path(step))!r} exists but is not a committed "
+          "zero_jax checkpoint (an interrupted save or a foreign directory); "
+          "move or delete it, then save again")
+    if self._local:
+      try:
+        _check_usable(self.directory)
+      except OSError as e:
+        raise self._write_error(step, e, "could not start") from e
     items = {"state": ocp.args.StandardSave(
         {k: getattr(state, k) for k in _STORED})}
     if state.loss_scale is not None:
       items["loss_scale"] = ocp.args.StandardSave(_ls_dict(state.loss_scale))
     meta = {"format": 1, "step": step,
             "num_devices": jax.device_count(),
-            "process_count": jax.process_count()}
+            "process_count": jax.process_count(),
+            "opt_state": _outline(state.opt_state)}
     if engine is not None:
       # (JSON: tuples become lists.)
       meta["config"] = dataclasses.asdict(engine.config)
-    return self._manager.save(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonSave(meta), **items))
+    try:
+      started = self._manager.save(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonSave(meta), **items))
+    except (OSError, ValueError) as e:  # (orbax's "could not create")
+      _release_orbax_threads(_operation_id())
+      raise self._write_error(step, e, "failed") from e
+    if started:
+      self._pending = (step, _operation_id())
+    return started
 
   def wait(self) -> None:
-    """Blocks until the last asynchronous save is committed."""
-    self._manager.wait_until_finished()
+    """Blocks until the last asynchronous save is committed.
+
+    Raises:
+      CheckpointWriteError: it failed; the checkpoints committed before are
+        intact.
+    """
+    self._finish()
 
   def close(self) -> None:
-    """Waits for pending saves and releases the directory."""
-    self._manager.close()
-    if self._installed:
-      signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
-      self._installed = False
+    """Waits for pending saves and releases the directory.
+
+    Raises:
+      CheckpointWriteError: the last save failed (the directory is released
+        all the same).
+    """
+    try:
+      self._finish()
+    except BaseException:
+      self._release(quiet=True)  # the first error is the one to report
+      raise
+    self._release(quiet=False)
+
+  def _release(self, quiet: bool) -> None:
+    try:
+      self._manager.close()
+    except Exception:  # pylint: disable=broad-except
+      if not quiet:
+        raise
+    finally:
+      if self._installed:
+        signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
+        self._installed = False
+
+  def _finish(self) -> None:
+    """Waits for the pending save; a failure becomes a CheckpointWriteError
+    naming its step (orbax raises it once, unnamed, or only logs it)."""
+    pending, self._pending = self._pending, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      if pending is None:
+        raise
+      raise self._failed(pending, e) from e
+    if pending is not None and not self._is_committed(pending[0]):
+      # Orbax logs some failures (e.g. of its commit callback) and goes on.
+      raise self._failed(pending, RuntimeError(
+          "the checkpoint was not committed; see orbax's log above"))
+
+  def _failed(self, pending: tuple[int, str | None],
+              e: BaseException) -> CheckpointWriteError:
+    # The save's other threads may wait for a step directory that will
+    # never come (until orbax's 300 s timeout), holding the process at exit.
+    _release_orbax_threads(pending[1])
+    try:
+      # Orbax dropped the steps this save was to replace (max_to_keep) from
+      # its list; they are still on disk, and still the ones to resume.
+      self._manager.reload()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    return self._write_error(pending[0], e, "failed in the background")
+
+  def _write_error(self, step: int, e: BaseException,
+                   what: str) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"saving the checkpoint of step {step} in {self.directory!r} {what}"
+        f" ({type(e).__name__}: {e}). The checkpoints committed before are "
+        f"intact (kept: {self.all_steps()}). Free space or fix the "
+        "directory's permissions and save again, or save to another "
+        "directory.", step, self.directory)
 
   def __enter__(self) -> "Checkpointer":
     return self
@@ -159,11 +283,40 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     """The step of the newest complete checkpoint, or None if there is
     none."""
-    return self._manager.latest_step()
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
-    """The steps of every complete checkpoint kept, oldest first."""
-    return sorted(self._manager.all_steps())
+    """The steps of every complete checkpoint kept, oldest first.
+
+    Only committed zero_jax checkpoints count: a directory named like a
+    step that orbax never committed, or that zero_jax did not write, is
+    left out.
+    """
+    return [s for s in sorted(self._manager.all_steps())
+            if self._is_committed(s)]
+
+  def _step_path(self, step: int) -> epath.Path:
+    return self._root / str(step)
+
+  def _is_committed(self, step: int) -> bool:
+    """Whether the directory of ``step`` is a finished zero_jax checkpoint:
+    orbax's commit marker (``commit_success.txt``, or, from orbax versions
+    that commit by the rename alone, the commit time in its step metadata)
+    and zero_jax's own items. A committed checkpoint never changes, so the
+    answer is kept."""
+    if step in self._committed:
+      return True
+    path = self._step_path(step)
+    try:
+      ok = ((path / "meta" / "metadata").exists() and
+            (path / "state").is_dir() and
+            ((path / _COMMIT_FILE).exists() or _commit_time(path)))
+    except OSError:  # unreadable: not a checkpoint to restore
+      ok = False
+    if ok:
+      self._committed.add(step)
+    return ok
 
   def restore(self, engine: Engine, params: Any, *,
               step: int | None = None) -> TrainState:
@@ -204,6 +357,12 @@ class Checkpointer:
     try:
       r = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax raises many types; say which checkpoint
+      if "tree structures do not match" in str(e):
+        # A difference the checks above missed is still not corruption.
+        raise ValueError(
+            f"{self._where(step)} does not match this model and optimizer "
+            f"({e}); restore with the model and optimizer it was saved with "
+            "(the stage, mesh and offload may differ)") from e
       raise self._unreadable(step, e) from e
     state = TrainState(**r["state"],
                        loss_scale=(_ls.LossScaleState(**r["loss_scale"])
@@ -219,6 +378,11 @@ class Checkpointer:
             "engine.init(params) (check latest_step() is not None first)")
       return steps[-1]
     if step not in steps:
+      if step in self._manager.all_steps():
+        raise FileNotFoundError(
+            f"{str(self._step_path(step))!r} is not a committed zero_jax "
+            "checkpoint (an interrupted save or a foreign directory: no "
+            f"commit marker or no zero_jax metadata); restore one of {steps}")
       raise FileNotFoundError(f"no checkpoint of step {step} in "
                               f"{self.directory!r}; kept: {steps}")
     return step
@@ -379,7 +543,9 @@ def _flat(tree: Any) -> dict[tuple[str, ...], Any]:
 def _check_matches(target: Any, stored: Any, part: str, where: str,
                    meta: dict[str, Any], check_dtype: bool = True) -> None:
   """Raises a ValueError naming the first leaf where ``stored`` (orbax
-  metadata) and ``target`` differ in presence, shape or dtype."""
+  metadata) and ``target`` differ in presence, shape or dtype, or else the
+  first state-less node (e.g. an optimizer's ``EmptyState``) that only one
+  of them has."""
   saved_as = ""
   if meta.get("config"):
     c = meta["config"]
@@ -387,6 +553,18 @@ def _check_matches(target: Any, stored: Any, part: str, where: str,
                 f"{meta.get('num_devices')} device(s))")
 
   def fail(what: str) -> None:
+    if part == "opt_state" and stored is not None:
+      # The model matches (params are checked first): another optimizer.
+      was = meta.get("opt_state") or _outline(stored)
+      raise ValueError(
+          f"{where}{saved_as} holds the state of another optimizer than "
+          f"this engine's: {what}. The checkpoint's optimizer state is "
+          f"{was}; this engine's is {_outline(target)}. Restore with the "
+          "optimizer it was saved with (the stage, mesh and offload may "
+          "differ), or, to switch optimizers, restore with it and start "
+          "this engine's optimizer state fresh from the parameters: "
+          "engine.init(old_engine.gather_params(state)), or export_params "
+          "and load_params for a large model.")
     raise ValueError(
         f"{where}{saved_as} does not match this model and optimizer: {what}."
         " It was saved from a different model, optimizer or parameter tree; "
@@ -411,6 +589,163 @@ def _check_matches(target: Any, stored: Any, part: str, where: str,
     if path not in want:
       fail(f"{'/'.join((part,) + path)} is in the checkpoint but not in "
            "this model")
+  # The same arrays, but e.g. adam's (ScaleByAdamState, EmptyState) against
+  # adamw's (ScaleByAdamState, EmptyState, EmptyState): orbax would refuse
+  # the tree. A node without arrays is stored as None.
+  want, have = _empty_nodes(target), _empty_nodes(stored)
+  for path in want:
+    if path not in have:
+      fail(f"{'/'.join((part,) + path)} (a part without arrays) is missing "
+           "from the checkpoint")
+  for path in have:
+    if path not in want:
+      fail(f"{'/'.join((part,) + path)} (a part without arrays) is in the "
+           "checkpoint but not here")
 
 
-__all__ = ["Checkpointer", "export_params", "load_params"]
+def _is_empty(tree: Any) -> bool:
+  return not jax.tree_util.tree_leaves(tree)
+
+
+def _empty_nodes(tree: Any) -> list[tuple[str, ...]]:
+  """Paths of the nodes that hold no arrays (``None``, ``EmptyState()``,
+  ``()``), in tree order."""
+  return [tuple(_key(k) for k in path) for path, leaf in
+          jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty)[0]
+          if _is_empty(leaf)]
+
+
+def _outline(tree: Any, depth: int = 1) -> str:
+  """A short picture of a tree's top levels, e.g. of an optimizer state:
+  ``(ScaleByAdamState(count, mu, nu), EmptyState())``; orbax's metadata of
+  the same state reads ``[{count, mu, nu}, None]``."""
+  if _is_empty(tree):
+    return "None" if tree is None else f"{type(tree).__name__}()"
+  children = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: x is not tree)[0]
+  if len(children) == 1 and children[0][0] == ():
+    return "array"
+  keys = [_key(path[0]) for path, _ in children]
+  if depth <= 0:
+    parts = keys
+  elif isinstance(tree, dict):
+    parts = [f"{k}: {_outline(c, depth - 1)}"
+             for k, (_, c) in zip(keys, children)]
+  else:
+    parts = [_outline(c, depth - 1) for _, c in children]
+  inner = ", ".join(parts)
+  if type(tree) in (tuple, list):
+    return f"({inner})" if type(tree) is tuple else f"[{inner}]"
+  if isinstance(tree, dict):
+    return "{" + inner + "}"
+  return f"{type(tree).__name__}({inner})"
+
+
+# ------------------------------------------------------- files and threads
+
+# Orbax's commit marker in a step directory (orbax >= 0.11.1 writes it for
+# every checkpoint; earlier versions only on file systems without rename).
+_COMMIT_FILE = "commit_success.txt"
+
+
+def _commit_time(path: epath.Path) -> bool:
+  """Whether orbax's step metadata records a commit (it is written when a
+  checkpoint is finalized, just before the rename that commits it)."""
+  try:
+    meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
+  except (OSError, ValueError):
+    return False
+  return bool(isinstance(meta, dict) and meta.get("commit_timestamp_nsecs"))
+
+
+def _check_usable(directory: str) -> None:
+  """Raises an OSError naming the fix unless ``directory`` is, or can be
+  made, a directory this process can write into.
+
+  The test writes: permission bits say nothing for root, a read-only mount
+  or a full quota.
+  """
+  path = os.path.abspath(directory)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise NotADirectoryError(
+        errno.ENOTDIR, f"the checkpoint directory {directory!r} exists and "
+        "is not a directory; pass a directory (it is created if missing) or "
+        "move the file away")
+  try:
+    os.makedirs(path, exist_ok=True)
+    os.rmdir(tempfile.mkdtemp(prefix=".zero_jax-probe-", dir=path))
+  except OSError as e:
+    raise OSError(
+        e.errno, f"the checkpoint directory {directory!r} cannot be written "
+        f"({e.strerror or e}: {e.filename or path}); create it and make it "
+        "writable by this process, or pass another directory") from e
+
+
+def _operation_id() -> str | None:
+  """The id orbax gave its latest save (its threads are tagged with it)."""
+  try:
+    from orbax.checkpoint._src.futures import synchronization  # pylint: disable=g-import-not-at-top
+    return synchronization.OperationIdGenerator.get_current_operation_id()
+  except Exception:  # pylint: disable=broad-except  # (orbax internals)
+    return None
+
+
+def _release_orbax_threads(operation_id: str | None) -> None:
+  """Ends orbax's threads of a failed save that still wait for a signal.
+
+  When the step directory of an asynchronous save cannot be created, the
+  threads that write into it keep waiting for its "created" signal until
+  orbax's coordination timeout (300 s); they are not daemons, so the
+  process cannot exit until then. Cancelled and signalled, they return at
+  once. Best effort: this reaches into orbax's internals, and does nothing
+  where they differ.
+  """
+  if operation_id is None:  # (which threads are the save's is unknown)
+    return
+  try:
+    from orbax.checkpoint._src.futures import future  # pylint: disable=g-import-not-at-top
+    thread_cls = future._SignalingThread  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-except
+    return
+  for t in threading.enumerate():
+    op = getattr(t, "_operation_id", None)
+    if (not isinstance(t, thread_cls) or not t.is_alive() or
+        op != operation_id):
+      continue
+    try:
+      t.cancel()
+      future.set_signals(t._receive_signals, operation_id=op)  # pylint: disable=protected-access
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+
+def _at_thread_shutdown(ckpt: Checkpointer) -> None:
+  """At interpreter exit, before Python joins the threads, waits for the
+  pending save of ``ckpt`` and reports a failure on stderr.
+
+  A program that never calls ``wait`` or ``close`` would otherwise lose a
+  failed save's error, and hang in the join if the failure left orbax's
+  threads waiting.
+  """
+  ref = weakref.ref(ckpt)
+
+  def at_exit() -> None:
+    c = ref()
+    if c is None or c._pending is None:  # pylint: disable=protected-access
+      return
+    try:
+      c._finish()  # pylint: disable=protected-access
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"zero_jax.Checkpointer at exit: {e}", file=sys.stderr,
+            flush=True)
+
+  register = getattr(threading, "_register_atexit", None)  # Python >= 3.9
+  if register is not None:
+    try:
+      register(at_exit)
+    except RuntimeError:  # the interpreter is shutting down already
+      pass
+
+
+__all__ = ["CheckpointWriteError", "Checkpointer", "export_params",
+           "load_params"]
