@@ -16,8 +16,6 @@ measures how long the process takes to exit.
   ``close``.
 - ``never_waits``: as ``no_step_directory``, but the program exits without
   ``wait`` or ``close``.
-- ``read_only``: the directory is made read-only (not as root); then
-  ``save``.
 """
 
 from __future__ import annotations
@@ -69,8 +67,6 @@ def main(mode: str, directory: str) -> None:
     # orbax's background thread.
     os.symlink(os.path.join(directory, "nowhere"),
                os.path.join(directory, "2.orbax-checkpoint-tmp"))
-  elif mode == "read_only":
-    os.chmod(directory, 0o500)
   _report(lambda: ckpt.save(state, engine=engine))
   if mode == "disk_full":
     _report(ckpt.wait)

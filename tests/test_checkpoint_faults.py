@@ -103,22 +103,6 @@ def test_a_failed_save_never_waited_for_is_reported_at_exit(tmp_path):
                              "checkpoint of step 2"), lines
 
 
-@pytest.mark.skipif(os.geteuid() == 0,
-                    reason="root writes into a read-only directory; the "
-                    "tests above break writes in ways root cannot bypass")
-def test_a_read_only_directory_fails_at_save(tmp_path):
-  directory = str(tmp_path / "ckpt")
-  try:
-    lines = _worker("read_only", directory)
-  finally:
-    os.chmod(directory, 0o700)
-  assert lines[0].startswith("ERROR CheckpointWriteError: "), lines
-  for words in ("step 2", repr(directory), "could not start",
-                "Permission denied", "permissions"):
-    assert words in lines[0], lines[0]
-  _assert_only_step_1_restores(directory)
-
-
 def test_a_directory_gone_after_construction_fails_at_save(tmp_path):
   directory = tmp_path / "ckpt"
   engine = _engine()

@@ -1,7 +1,8 @@
 """zero_jax: ZeRO (stages 0-3) for JAX as layouts plus explicit collectives."""
 
 from zero_jax import distributed, metrics
-from zero_jax.checkpoint import Checkpointer, export_params, load_params
+from zero_jax.checkpoint import (CheckpointWriteError, Checkpointer,
+                                 export_params, load_params)
 from zero_jax.config import ZeroConfig
 from zero_jax.deepspeed import from_deepspeed
 from zero_jax.engine import Engine, TrainState
@@ -15,6 +16,7 @@ from zero_jax.mesh import make_mesh
 from zero_jax.plan import LeafPlan, Plan, plan_leaf
 
 __all__ = [
+    "CheckpointWriteError",
     "Checkpointer",
     "Engine",
     "LeafPlan",
