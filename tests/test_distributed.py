@@ -388,9 +388,11 @@ def _logs(out_dir):
                    for i in range(2))
 
 
-@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("victim", [0])
 def test_killed_process_stops_the_other(victim, tmp_path):
-  """SIGKILL one process mid-training: the survivor exits non-zero."""
+  """SIGKILL one process mid-training: the survivor exits non-zero. (Process
+  0, the coordinator; a killed process 1 is tests/test_launch_faults.py's,
+  through the launcher.)"""
   procs = _start_pair("loop", tmp_path)
   try:
     deadline = time.monotonic() + 240
