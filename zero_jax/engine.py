@@ -1033,10 +1033,14 @@ class Engine:
       updates, opt_state = self.tx.update(grads, opt_state, master)
       return optax.apply_updates(master, updates), opt_state
 
+    new = apply(master, opt_state)
     if finite is None:
-      return apply(master, opt_state)
-    return jax.lax.cond(finite, apply, lambda m, o: (m, o), master,
-                        opt_state)
+      return new
+    # A select fused into each leaf's update loop, not a lax.cond: the cond's
+    # two branches keep the old and the new state apart, which cost a 1.3B
+    # GPT's H100 step 9 GiB of temp (37.0 against 27.8 GiB).
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
+                        (master, opt_state))
 
   def _prepare(self, grads, step, loss_scale, streamed: bool = False):
     """From summed gradients to the ones to apply: unscaled (float16),
