@@ -80,7 +80,7 @@ def _torch(n: int, reps: int) -> float | None:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--params", type=int, default=32 * 2 ** 20)
+  ap.add_argument("--params", type=int, default=64 * 2 ** 20)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--out", default=os.path.join(
       os.path.dirname(os.path.abspath(__file__)), "results",
