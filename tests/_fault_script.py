@@ -11,6 +11,7 @@ Both processes take a few "steps" (a cross-process sum, then
 misbehaves while process 0 keeps stepping:
 
 * ``exit``: process 1 calls ``sys.exit(3)``;
+* ``raise``: process 1 raises ``SystemExit(3)`` (no exit function called);
 * ``hang``: process 1 hangs in ``hang_here()`` (a sleep);
 * ``kill``: process 1 kills itself with SIGKILL.
 """
@@ -60,6 +61,8 @@ def main(mode: str) -> None:
   if jax.process_index() == 1:
     if mode == "exit":
       sys.exit(3)
+    elif mode == "raise":
+      raise SystemExit(3)
     elif mode == "hang":
       hang_here()
     elif mode == "kill":

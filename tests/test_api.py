@@ -46,7 +46,7 @@ def test_step_is_jitted_and_lowerable():
   compiled = engine.step.lower(state, batch).compile()
   assert "reduce-scatter" in compiled.as_text()
   new_state, metrics = compiled(state, engine.shard_batch(batch))
-  assert set(metrics) == {"loss", "grad_norm", "skipped"}
+  assert set(metrics) == {"loss", "grad_norm", "skipped", "skipped_steps"}
   assert int(new_state.step) == 1
   with pytest.raises(RuntimeError, match="donated|deleted"):
     np.asarray(state.params["w1"])  # the old state was donated

@@ -103,6 +103,8 @@ def test_a_nan_in_the_batch_skips_the_step_and_keeps_the_state(stage, config):
   state, metrics = engine.step(state, _nan_batch())
   assert bool(metrics["skipped"]) and not np.isfinite(metrics["grad_norm"])
   assert int(state.step) == step + 1
+  # The skip count (where the learning rate schedule is) moves, nothing else.
+  assert int(metrics["skipped_steps"]) == int(state.loss_scale.skipped) == 1
   after = jax.tree.map(np.asarray, (state.params, state.opt_state,
                                     state.compute_params))
   for x, y in zip(jax.tree.leaves(after), jax.tree.leaves(before)):

@@ -130,9 +130,13 @@ def test_mixed_precision_copy_and_loss_scale_are_rebuilt(tmp_path):
       assert c.dtype == jnp.float16
       np.testing.assert_array_equal(np.asarray(c),
                                     np.asarray(p).astype(np.float16))
-    # Without float16 the loss scale is dropped; with it but from a
-    # checkpoint without one, it starts afresh.
-    assert ckpt.restore(_engine(1), m.mlp_params()).loss_scale is None
+    # Without float16 only the skip count carries over (the scale is 1);
+    # with it but from a checkpoint without one, it starts afresh.
+    bf16 = ckpt.restore(_engine(1, compute_dtype="bfloat16"),
+                        m.mlp_params()).loss_scale
+    assert float(bf16.scale) == 1.0 and int(bf16.skipped) == int(scale.skipped)
+    assert ckpt.restore(_engine(1, skip_nonfinite=False),
+                        m.mlp_params()).loss_scale is None
   with zj.Checkpointer(tmp_path / "fp32") as ckpt:
     ckpt.save(_engine(0).init(m.mlp_params()))
     ckpt.wait()

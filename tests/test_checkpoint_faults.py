@@ -153,7 +153,12 @@ def test_only_committed_zero_jax_checkpoints_are_steps(tmp_path):
   # Orbax's items without zero_jax's metadata: another program's.
   shutil.copytree(tmp_path / "0", tmp_path / "9")
   shutil.rmtree(tmp_path / "9" / "meta")
-  with zj.Checkpointer(tmp_path) as ckpt:
+  # Orbax's max_to_keep would count them and delete the real checkpoints.
+  with pytest.raises(FileExistsError, match=r"not committed zero_jax "
+                     r"checkpoints: \[7, 8, 9\].*delete real ones"):
+    zj.Checkpointer(tmp_path, max_to_keep=2)
+  assert sorted(os.listdir(tmp_path)) == ["0", "7", "8", "9"]
+  with zj.Checkpointer(tmp_path, max_to_keep=None) as ckpt:
     assert ckpt.all_steps() == [0] and ckpt.latest_step() == 0
     assert int(ckpt.restore(engine, m.mlp_params()).step) == 0
     for step in (7, 8, 9):
@@ -163,7 +168,7 @@ def test_only_committed_zero_jax_checkpoints_are_steps(tmp_path):
         ckpt.restore(engine, m.mlp_params(), step=step)
   # A save does not take such a directory for its step's checkpoint.
   (tmp_path / "other" / "0").mkdir(parents=True)
-  with zj.Checkpointer(tmp_path / "other") as ckpt:
+  with zj.Checkpointer(tmp_path / "other", max_to_keep=None) as ckpt:
     assert ckpt.latest_step() is None
     with pytest.raises(FileExistsError,
                        match=r"0' exists but is not a committed zero_jax "

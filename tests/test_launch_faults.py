@@ -7,6 +7,7 @@ limit, so that a regression fails instead of hanging.
 
 from __future__ import annotations
 
+import builtins
 import faulthandler
 import os
 import signal
@@ -43,12 +44,13 @@ def _faulty(mode: str, *options: str,
 # ------------------------------------------------- two real JAX processes
 
 
-def test_sys_exit_in_one_process_is_the_launchers_exit_code():
-  """sys.exit(3) after a few collectives: JAX's shutdown barrier would hold
-  both processes for 300 s, then abort (134); fail_fast ends the job at
-  once, and the launcher returns 3."""
-  rc, out, elapsed = _faulty("exit", timeout=60)
-  print(f"\nsys.exit(3) in process 1: launcher exited {rc} after "
+@pytest.mark.parametrize("mode", ["exit", "raise"])
+def test_sys_exit_in_one_process_is_the_launchers_exit_code(mode):
+  """sys.exit(3), or raise SystemExit(3), after a few collectives: JAX's
+  shutdown barrier would hold both processes for 300 s, then abort (134);
+  fail_fast ends the job at once, and the launcher returns 3."""
+  rc, out, elapsed = _faulty(mode, timeout=60)
+  print(f"\n{mode} with code 3 in process 1: launcher exited {rc} after "
         f"{elapsed:.1f} s, start-up included")
   assert rc == 3, out[-5000:]
   assert "[1] process 1 took 3 steps" in out
@@ -183,15 +185,21 @@ class _FakeClient:
 
 
 def test_fail_fast_sees_sys_exit(monkeypatch):
-  previous_exit = sys.exit
+  previous_exit, previous_builtin = sys.exit, builtins.exit
   guard = distributed._FailFast(_FakeClient(), process_id=1)
   monkeypatch.setattr(distributed, "_fail_fast", guard)
   guard.start()
   try:
-    assert sys.exit == guard._exit
+    assert sys.exit is not previous_exit and builtins.exit is not \
+        previous_builtin
     with pytest.raises(SystemExit) as e:
       sys.exit(3)
     assert e.value.code == 3 and guard.exit_requested == 3
+    with pytest.raises(SystemExit):
+      builtins.exit(6)  # exit() and quit() (site's) too
+    assert guard.exit_requested == 6
+    distributed._main_exited(7)  # the launcher's runner: raise SystemExit(7)
+    assert guard.exit_requested == 7
     with pytest.raises(SystemExit):
       sys.exit("a message")
     assert guard.exit_requested == 1  # (as Python exits for a string)
@@ -215,7 +223,7 @@ def test_fail_fast_sees_sys_exit(monkeypatch):
     assert guard.exit_requested is None
   finally:
     guard.stop()
-  assert sys.exit is previous_exit
+  assert sys.exit is previous_exit and builtins.exit is previous_builtin
   assert not guard._thread.is_alive()
 
 

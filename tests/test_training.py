@@ -322,10 +322,12 @@ def test_static_loss_scale_skips_but_keeps_scale():
   assert int(metrics["skipped_steps"]) == 1
 
 
-def test_learning_rate_metric_follows_applied_updates():
+@pytest.mark.parametrize("compute_dtype", ["float16", "bfloat16"])
+def test_learning_rate_metric_follows_applied_updates(compute_dtype):
+  # float16: the loss scale's overflow skips; bfloat16: skip_nonfinite's.
   schedule = optax.linear_schedule(1e-2, 0.0, 10)
   engine = zj.Engine(_poisonable_loss, optax.adam(schedule),
-                     zj.ZeroConfig(stage=2, compute_dtype="float16",
+                     zj.ZeroConfig(stage=2, compute_dtype=compute_dtype,
                                    hysteresis=1),
                      zj.make_mesh(num_devices=8), lr_schedule=schedule)
   state = engine.init(m.mlp_params())

@@ -119,6 +119,8 @@ class Checkpointer:
     self._root = epath.Path(self._manager.directory)
     self._pending: tuple[int, str | None] | None = None  # (step, operation)
     self._committed: set[int] = set()  # steps verified on disk
+    self._max_to_keep = max_to_keep
+    self._check_no_strays()
     self._sigterm = threading.Event()
     self._polled = False
     _at_thread_shutdown(self)
@@ -128,6 +130,22 @@ class Checkpointer:
         threading.current_thread() is threading.main_thread()):
       self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
       self._installed = True
+
+  def _check_no_strays(self) -> None:
+    """Raises if ``max_to_keep`` would count directories that are not
+    committed zero_jax checkpoints: orbax keeps the highest step numbers,
+    so a stray ``9`` would have it delete the real checkpoints instead."""
+    if self._max_to_keep is None:
+      return
+    strays = sorted(set(self._manager.all_steps()) - set(self.all_steps()))
+    if strays:
+      raise FileExistsError(
+          f"{self.directory!r} holds directories named like steps that are "
+          f"not committed zero_jax checkpoints: {strays} (an interrupted save "
+          "or foreign files). With max_to_keep, orbax would count them as "
+          "checkpoints and delete real ones in their place. Move or delete "
+          "them, or save to another directory (max_to_keep=None keeps "
+          "everything and only reads past them).")
 
   def _on_sigterm(self, signum, frame) -> None:
     # Deferred only for a loop that asks (reached_preemption); otherwise,
@@ -168,6 +186,7 @@ class Checkpointer:
     if self._pending is not None and self._pending[0] == step:
       return False  # being saved
     self._finish()  # (orbax would wait for the previous save here anyway)
+    self._check_no_strays()
     if step in self._manager.all_steps():
       if self._is_committed(step):
         return False
@@ -349,8 +368,8 @@ class Checkpointer:
       _check_matches(tree[part], stored.get(part), part, self._where(step),
                      meta)
     items = {"state": ocp.args.StandardRestore(tree)}
-    # A float16 run resumed from a checkpoint without a loss scale starts a
-    # fresh one; a loss scale is dropped when resuming without float16.
+    # A run resumed from a checkpoint without a loss scale (or skip count)
+    # starts a fresh one.
     if target.loss_scale is not None and has_scale:
       items["loss_scale"] = ocp.args.StandardRestore(
           _ls_dict(target.loss_scale))
@@ -364,9 +383,17 @@ class Checkpointer:
             f"({e}); restore with the model and optimizer it was saved with "
             "(the stage, mesh and offload may differ)") from e
       raise self._unreadable(step, e) from e
-    state = TrainState(**r["state"],
-                       loss_scale=(_ls.LossScaleState(**r["loss_scale"])
-                                   if "loss_scale" in items else None))
+    loss_scale = None
+    if "loss_scale" in items:
+      loss_scale = _ls.LossScaleState(**r["loss_scale"])
+      saved_fp16 = int(loss_scale.hysteresis) > 0  # (0: a skip count only)
+      if engine.config.compute_dtype != "float16" or not saved_fp16:
+        # Only a float16 run's scale is a loss scale (elsewhere it stays 1):
+        # the skip count carries over, the scale starts afresh.
+        loss_scale = dataclasses.replace(
+            jax.device_put(_ls.init(engine.config), loss_scale.skipped.sharding),
+            skipped=loss_scale.skipped)
+    state = TrainState(**r["state"], loss_scale=loss_scale)
     return engine._complete(state)  # pylint: disable=protected-access
 
   def _resolve_step(self, step: int | None) -> int:

@@ -29,11 +29,13 @@ once (JAX would first wait in its shutdown barrier for the others, until
 their heartbeats time out or, if they are alive but stuck in a collective,
 for the 300 s shutdown timeout) and tells the others, which exit within a
 second with the same exit code and a message naming the failed process and
-its error. ``sys.exit(n)`` with ``n`` non-zero in the main thread counts as
-a failure with exit code ``n`` (``sys.exit(0)`` does not: that process
-waits in JAX's shutdown barrier for the others, as without ``fail_fast``).
-Only ``sys.exit`` is seen: ``raise SystemExit(n)`` exits through JAX's
-barrier, and a ``sys.exit(n)`` that the script catches and swallows still
+its error. A ``SystemExit`` with a non-zero code in the main thread counts
+as a failure with that exit code (code 0 does not: that process waits in
+JAX's shutdown barrier for the others, as without ``fail_fast``). Calls of
+``sys.exit(n)``, ``exit(n)`` and ``quit(n)`` are seen everywhere; a bare
+``raise SystemExit(n)`` only under ``python -m zero_jax.launch``, which runs
+the script through a wrapper that catches it (elsewhere it exits through
+JAX's barrier). A ``SystemExit`` that the script catches and swallows still
 counts, unless ``step_done()`` is called after it (training went on). A
 process killed by a signal is for the launcher (or JAX's heartbeats) to
 notice.
@@ -49,6 +51,7 @@ launcher can print a stuck process's Python stack.
 from __future__ import annotations
 
 import atexit
+import builtins
 import dataclasses
 import faulthandler
 import math
@@ -247,16 +250,22 @@ class _FailFast:
     # training went on after it).
     self.exit_requested: int | None = None
     self._previous_hook = sys.excepthook
-    self._previous_exit = sys.exit
+    # (owner, name) -> (original, replacement) of each exit function wrapped.
+    self._exits: dict[tuple[Any, str], tuple[Any, Any]] = {}
     self._thread = threading.Thread(target=self._watch, daemon=True,
                                     name="zero_jax-fail-fast")
 
   def start(self) -> None:
     sys.excepthook = self._excepthook
     # SystemExit never reaches sys.excepthook, and atexit handlers cannot see
-    # the exit code: only a sys.exit() that records it can tell a failing
-    # sys.exit(3) from a normal end.
-    sys.exit = self._exit
+    # the exit code: only an exit function that records it can tell a
+    # failing sys.exit(3) from a normal end. (A bare ``raise SystemExit(3)``
+    # is seen only where the launcher runs the script: _RUNNER there.)
+    for owner, name in ((sys, "exit"), (builtins, "exit"), (builtins, "quit")):
+      original = getattr(owner, name, None)
+      if original is not None:  # (python -S has no exit() or quit())
+        self._exits[owner, name] = (original, self._recording(original))
+        setattr(owner, name, self._exits[owner, name][1])
     # Registered after JAX's own exit handler, so it runs first: it must
     # stop the watchdog before JAX shuts the client down.
     atexit.register(self._at_exit)
@@ -274,8 +283,10 @@ class _FailFast:
     # (==, not is: every self._excepthook is a new bound-method object.)
     if sys.excepthook == self._excepthook:
       sys.excepthook = self._previous_hook
-    if sys.exit == self._exit:
-      sys.exit = self._previous_exit
+    for (owner, name), (original, wrapped) in self._exits.items():
+      if getattr(owner, name, None) is wrapped:
+        setattr(owner, name, original)
+    self._exits.clear()
 
   def _watch(self) -> None:
     while not self._stop.wait(_POLL_SECONDS):
@@ -297,15 +308,22 @@ class _FailFast:
       # first, the job's status is the failure's.
       os._exit(code)  # pylint: disable=protected-access
 
-  def _exit(self, status: Any = None) -> None:
-    """``sys.exit`` that remembers the main thread's exit code."""
-    try:
-      self._previous_exit(status)
-    except SystemExit as e:
-      # (In another thread, sys.exit ends only that thread.)
-      if threading.current_thread() is threading.main_thread():
-        self.exit_requested = _system_exit_code(e.code)
-      raise
+  def _recording(self, exit_function: Any) -> Any:
+    """``exit_function`` (``sys.exit``, ``exit``, ``quit``), remembering the
+    main thread's exit code."""
+    def recording_exit(*args: Any) -> None:
+      try:
+        exit_function(*args)
+      except SystemExit as e:
+        self.note_exit(e.code)
+        raise
+    return recording_exit
+
+  def note_exit(self, code: Any) -> None:
+    """Records ``SystemExit(code)`` raised in the main thread. (In another
+    thread, SystemExit ends only that thread.)"""
+    if threading.current_thread() is threading.main_thread():
+      self.exit_requested = _system_exit_code(code)
 
   def _excepthook(self, exc_type, exc, tb) -> None:
     self._previous_hook(exc_type, exc, tb)
@@ -345,7 +363,7 @@ class _FailFast:
   def _at_exit(self) -> None:
     if not self._exit_code and self.exit_requested:
       self._fail(self.exit_requested, f"process {self._pid} exited with "
-                 f"code {self.exit_requested} (sys.exit)")
+                 f"code {self.exit_requested} (SystemExit)")
     self._halt()
     if self._exit_code:
       # Skip JAX's shutdown barrier: it would wait for processes that are
@@ -453,6 +471,13 @@ def _start_heartbeat(env: Mapping[str, str]) -> _Heartbeat | None:
 
 
 _heartbeat: _Heartbeat | None = _start_heartbeat(os.environ)
+
+
+def _main_exited(code: Any) -> None:
+  """The launcher's runner saw the script end with ``SystemExit(code)``."""
+  guard = _fail_fast
+  if guard is not None:
+    guard.note_exit(code)
 
 
 def step_done() -> None:

@@ -43,7 +43,10 @@ class TrainState:
       every update; at stage 3 with a ``compute_dtype`` and
       ``offload_optimizer``, sharded like ``params`` (which are then in host
       memory) and refreshed by a cast.
-    loss_scale: float16 compute only (else None): the ``LossScaleState``.
+    loss_scale: the ``LossScaleState``: with float16 compute, the loss
+      scale and its counters; in fp32 and bf16 with ``skip_nonfinite`` (the
+      default), only its ``skipped`` count changes (the scale stays 1);
+      None with neither.
   """
 
   step: jax.Array
@@ -80,8 +83,8 @@ class _StepFunction:
   this step used), ``"skipped"`` (this step overflowed and changed nothing
   but the scale) and ``"skipped_steps"`` (the running total); in fp32 and
   bf16 with ``skip_nonfinite`` (the default), ``"skipped"``: the gradient
-  norm was NaN or inf, and the step changed nothing but the step counter;
-  and, with
+  norm was NaN or inf, and the step changed nothing but the step counter
+  and ``"skipped_steps"``, the running total; and, with
   ``has_aux``, ``"aux"``.
 
   An overflow at the minimum loss scale, or ``max_consecutive_skips``
@@ -334,7 +337,7 @@ class Engine:
         opt_state=opt_shardings, rng=replicated,
         compute_params=compute_shardings,
         loss_scale=(jax.tree.map(lambda _: replicated, _ls.init(cfg))
-                    if pl.loss_scaling else None))
+                    if pl.counts_skips else None))
     # The state's shapes and dtypes, for checking what step is given.
     self._shapes = jax.eval_shape(self._make_state, master)
     # Offloaded state with the update on the device: streamed slice by
@@ -448,7 +451,7 @@ class Engine:
     rest = jax.jit(lambda: TrainState(
         step=jnp.zeros((), jnp.int32), params=None, opt_state=None,
         rng=jax.random.PRNGKey(self.config.seed),
-        loss_scale=_ls.init(self.config) if pl.loss_scaling else None),
+        loss_scale=_ls.init(self.config) if pl.counts_skips else None),
                    out_shardings=dataclasses.replace(
                        _device_part(self.state_shardings),
                        compute_params=None))()
@@ -531,7 +534,7 @@ class Engine:
                       opt_state=opt_state,
                       rng=jax.random.PRNGKey(self.config.seed),
                       compute_params=compute_params,
-                      loss_scale=(_ls.init(self.config) if pl.loss_scaling
+                      loss_scale=(_ls.init(self.config) if pl.counts_skips
                                   else None))
 
   def _make_state(self, params: Any) -> TrainState:
@@ -541,7 +544,7 @@ class Engine:
                       opt_state=self.tx.init(master),
                       rng=jax.random.PRNGKey(self.config.seed),
                       compute_params=self._compute_copy(master),
-                      loss_scale=(_ls.init(self.config) if pl.loss_scaling
+                      loss_scale=(_ls.init(self.config) if pl.counts_skips
                                   else None))
 
   def _compute_copy(self, master: Any) -> Any:
@@ -584,7 +587,7 @@ class Engine:
         return self._compute_copy(
             jax.device_put(master, _on_device(self.param_plan.shardings)))
       compute = jax.jit(cast, out_shardings=sh.compute_params)(state.params)
-    if pl.loss_scaling:
+    if pl.counts_skips:
       loss_scale = state.loss_scale
       if loss_scale is None:
         loss_scale = jax.jit(lambda: _ls.init(self.config),
@@ -1089,7 +1092,11 @@ class Engine:
       # A NaN or inf anywhere makes the global norm non-finite: one scalar
       # check skips the update on every device.
       finite = jnp.isfinite(norm)
-      metrics["skipped"] = jnp.logical_not(finite)
+      skipped = jnp.logical_not(finite)
+      applied = step - loss_scale.skipped
+      loss_scale = dataclasses.replace(
+          loss_scale, skipped=loss_scale.skipped + skipped.astype(jnp.int32))
+      metrics.update(skipped=skipped, skipped_steps=loss_scale.skipped)
     if pl.loss_scaling:
       finite = all_finite
       applied = step - loss_scale.skipped

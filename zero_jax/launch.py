@@ -129,6 +129,31 @@ _TRAMPOLINE = (
     "os.execv(sys.argv[2], sys.argv[2:])\n")
 
 
+# Runs the script (or module, -m) as Python would, but sees how it ends: a
+# SystemExit from any route (sys.exit, exit(), raise SystemExit) tells
+# zero_jax.distributed's fail_fast the exit code, which atexit cannot learn.
+# Inline, not a module of this package: importing zero_jax would import JAX
+# before the script sets its flags.
+_RUNNER = (
+    "import os, runpy, sys\n"
+    "mode, target = sys.argv[1], sys.argv[2]\n"
+    "sys.argv = sys.argv[2:]\n"
+    "if mode == '-m':\n"
+    "  sys.path[0] = os.getcwd()\n"
+    "  run = lambda: runpy.run_module(target, run_name='__main__',\n"
+    "                                 alter_sys=True)\n"
+    "else:\n"
+    "  sys.path[0] = os.path.dirname(os.path.realpath(target))\n"
+    "  run = lambda: runpy.run_path(target, run_name='__main__')\n"
+    "try:\n"
+    "  run()\n"
+    "except SystemExit as e:\n"
+    "  d = sys.modules.get('zero_jax.distributed')\n"
+    "  if d is not None:\n"
+    "    d._main_exited(e.code)\n"
+    "  raise\n")
+
+
 def _command(command: list[str]) -> list[str]:
   if not sys.platform.startswith("linux"):
     return command
@@ -481,8 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.watchdog is not None and args.watchdog <= 0:
     parser.error("--watchdog must be > 0 (seconds without a training step); "
                  "leave it out to turn the watchdog off")
-  command = ([sys.executable, "-m", args.script] if args.module else
-             [sys.executable, args.script]) + list(args.args)
+  command = [sys.executable, "-c", _RUNNER, "-m" if args.module else "--",
+             args.script, *args.args]
   launcher = _Launcher(command, args.nproc, args.devices_per_proc,
                        args.port or _free_port(), args.grace_period,
                        args.failure_grace_period, args.watchdog)

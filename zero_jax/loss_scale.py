@@ -35,7 +35,8 @@ class LossScaleState:
   Attributes:
     scale: the scale the next step multiplies the loss by (float32).
     good_steps: clean steps since the last overflow (int32).
-    hysteresis: overflows still tolerated before the scale halves (int32).
+    hysteresis: overflows still tolerated before the scale halves (int32;
+      at least 1 with float16, 0 in a state that only counts skips).
     skipped: steps skipped for overflow since training started (int32).
   """
 
@@ -46,12 +47,18 @@ class LossScaleState:
 
 
 def init(config: ZeroConfig) -> LossScaleState:
-  """The state before the first step."""
-  scale = (config.loss_scale if config.loss_scale > 0 else
-           2.0 ** config.initial_scale_power)
+  """The state before the first step. Without float16 only the skip count
+  is kept: the scale is 1 and the hysteresis 0, which no float16 state has
+  (it marks the state as a skip count, e.g. in a checkpoint)."""
+  if config.compute_dtype != "float16":
+    scale, hysteresis = 1.0, 0
+  else:
+    scale = (config.loss_scale if config.loss_scale > 0 else
+             2.0 ** config.initial_scale_power)
+    hysteresis = config.hysteresis
   return LossScaleState(scale=jnp.asarray(scale, jnp.float32),
                         good_steps=jnp.zeros((), jnp.int32),
-                        hysteresis=jnp.asarray(config.hysteresis, jnp.int32),
+                        hysteresis=jnp.asarray(hysteresis, jnp.int32),
                         skipped=jnp.zeros((), jnp.int32))
 
 

@@ -68,6 +68,10 @@ class Placement:
       to host memory as backward makes it (ZeRO-Offload), and the update
       reads it from there.
     loss_scaling: float16 loss scaling is on.
+    counts_skips: the state keeps a ``LossScaleState`` (loss scaling, or
+      ``skip_nonfinite``, where its scale stays 1): its ``skipped`` count
+      says how many updates were applied, which is where the learning rate
+      schedule is.
   """
 
   stage: int
@@ -82,6 +86,7 @@ class Placement:
   loss_scaling: bool
   grads_on_host: bool = False
   compute_memory: str = DEVICE
+  counts_skips: bool = False
 
   @classmethod
   def of(cls, config, grad_accum_steps: int = 1) -> "Placement":
@@ -108,6 +113,8 @@ class Placement:
       gather_from = ("host_master" if offload_params else
                      "compute" if compute_copy else "master")
     offloaded = offload_opt or offload_params
+    counts_skips = (config.compute_dtype == "float16" or
+                    config.skip_nonfinite)
     if config.update_on == "host":
       # ZeRO-Offload's split: the device only ever holds the compute copy.
       return cls(stage=stage, compute_dtype=cd, reduce_dtype=rd,
@@ -118,6 +125,7 @@ class Placement:
                  gather_from=(None if stage != 3 else "host_compute"
                               if offload_params else "compute"),
                  update="host", loss_scaling=config.compute_dtype == "float16",
+                 counts_skips=counts_skips,
                  grads_on_host=stage == 3 and grad_accum_steps == 1)
     update = "streamed" if offloaded else "device"
     return cls(stage=stage, compute_dtype=cd, reduce_dtype=rd,
@@ -127,6 +135,7 @@ class Placement:
                compute_copy=compute_copy, gather_from=gather_from,
                update=update,
                loss_scaling=config.compute_dtype == "float16",
+               counts_skips=counts_skips,
                grads_on_host=(gather_from in ("compute", "host_master")
                               and update == "streamed"
                               and grad_accum_steps == 1))
