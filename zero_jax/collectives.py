@@ -104,12 +104,6 @@ def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
   return jax.lax.psum(_cast(g, reduce_dtype), _all_axes()).astype(out_dtype)
 
 
-def gather_tree(plans, tree, compute_dtype=None, reduce_dtype=None):
-  return jax.tree.map(
-      lambda lp, x: gather_leaf(lp, x, compute_dtype, reduce_dtype),
-      plans, tree, is_leaf=_is_plan)
-
-
 def reduce_tree(plans, tree, reduce_dtype=None, out_dtype=None):
   return jax.tree.map(
       lambda lp, g: reduce_leaf(lp, g, reduce_dtype, out_dtype),

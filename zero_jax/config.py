@@ -10,7 +10,7 @@ from typing import Any, Mapping, NoReturn
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax.layers import REMAT_POLICIES, remat_policy
+from zero_jax.remat import REMAT_POLICIES, remat_policy
 
 _STAGES = (0, 1, 2, 3)
 _COMPUTE_DTYPES = ("bfloat16", "float16", "float32")

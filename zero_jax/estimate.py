@@ -38,7 +38,7 @@ from typing import Sequence
 
 from zero_jax import memory
 from zero_jax.config import ZeroConfig
-from zero_jax.layers import NAMED_POLICIES, REMAT_POLICIES
+from zero_jax.remat import NAMED_POLICIES, REMAT_POLICIES
 
 _GIB = 2 ** 30
 _SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -1,0 +1,65 @@
+"""Rematerialization policies by name: the table ``ZeroConfig.remat``
+checks against and the ``jax.checkpoint`` policy each name stands for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+# Remat policies by name. None of them saves gathered parameters: saving them
+# would keep every layer's full parameters alive until backward (stage 2
+# memory at stage 3).
+REMAT_POLICIES: dict[str, str] = {
+    "none": "no remat: keep every intermediate, including stage 3's gathered "
+            "parameters (fastest, most memory)",
+    "full": "save nothing inside a layer; recompute it (and re-gather its "
+            "parameters) in backward",
+    "dots_saveable": "keep matmul outputs without batch dims, recompute the "
+                     "rest",
+    "save_only_named": "keep only activations tagged with "
+                       "checkpoint_name(x, name) for a name in remat_names",
+    "offload_to_host": "move activations tagged with a name in remat_names "
+                       "to host memory (pinned_host) in forward and back in "
+                       "backward; recompute the rest",
+}
+
+# Policies that act on activations tagged with ``checkpoint_name``.
+NAMED_POLICIES = ("save_only_named", "offload_to_host")
+
+
+def remat_policy(name: str, names: tuple[str, ...] = ()) -> Any:
+  """The ``jax.checkpoint`` policy for a ``REMAT_POLICIES`` name.
+
+  Args:
+    name: a key of ``REMAT_POLICIES``.
+    names: for ``"save_only_named"`` and ``"offload_to_host"``: the
+      ``checkpoint_name`` tags the policy saves or offloads.
+
+  Returns:
+    A policy for ``jax.checkpoint`` (None for ``"none"``: no checkpoint).
+
+  Raises:
+    ValueError: unknown name, or a named policy without names.
+  """
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"unknown remat policy {name!r}; choose one of "
+                     f"{sorted(REMAT_POLICIES)}")
+  if name in NAMED_POLICIES and not names:
+    raise ValueError(
+        f"remat={name!r} needs remat_names: the checkpoint_name tags of the "
+        "activations to keep, e.g. ZeroConfig(remat=..., remat_names=("
+        "'mlp_hidden',)) with zero_jax.checkpoint_name(x, 'mlp_hidden') in the "
+        "layer")
+  cp = jax.checkpoint_policies
+  if name == "none":
+    return None
+  if name == "full":
+    return cp.nothing_saveable
+  if name == "dots_saveable":
+    return cp.dots_with_no_batch_dims_saveable
+  if name == "save_only_named":
+    return cp.save_only_these_names(*names)
+  return cp.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+      offload_src="device", offload_dst="pinned_host")
