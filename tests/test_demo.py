@@ -11,11 +11,11 @@ import pytest
 import zero_jax as zj
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A migrating user's config, as shipped in experiments/: stage 2, fp16 with
+# A migrating user's config, as shipped in examples/: stage 2, fp16 with
 # dynamic loss scaling, optimizer offload to CPU (with an NVMe path that CPU
 # offload ignores), and DeepSpeed's batch arithmetic: 32 = 8 per device x 4
 # micro-batches x 1 device.
-with open(os.path.join(_ROOT, "experiments", "ds_config.json")) as _f:
+with open(os.path.join(_ROOT, "examples", "ds_config.json")) as _f:
   DEEPSPEED = json.load(_f)
 
 
@@ -28,7 +28,7 @@ def _run_demo(tmp_path, config, devices, steps=4, *extra):
   log = tmp_path / f"metrics{len(list(tmp_path.glob('*.jsonl')))}.jsonl"
   env = dict(os.environ, PYTHONPATH=_ROOT)
   out = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "experiments", "train_gpt.py"),
+      [sys.executable, os.path.join(_ROOT, "examples", "train_gpt.py"),
        *args, "--steps", str(steps), "--d-model", "32", "--layers", "1",
        "--heads", "2", "--seq-len", "16", "--skip-memory-table",
        "--log-jsonl", str(log)],

@@ -2,7 +2,7 @@
 says, and trains bit-identically to the same run without offload.
 
 On CPU the memory kinds exist and the code path runs, but nothing moves;
-GPU figures come from ``experiments/gpu_bench.py``.
+GPU figures come from ``benchmarks/gpu_bench.py``.
 """
 
 import functools

@@ -17,9 +17,10 @@ Each run is a subprocess (an out-of-memory run fails alone, and the device's
 peak memory counter starts from zero). Results are written after every run
 to ``gpu_bench.json`` and ``gpu_bench.md`` in ``--out-dir``::
 
-  PYTHONPATH=. python experiments/gpu_bench.py                  # everything
-  PYTHONPATH=. python experiments/gpu_bench.py --plan speed     # or capacity
-  python experiments/gpu_bench.py --tiny --out-dir /tmp/bench   # CPU check
+  PYTHONPATH=. python benchmarks/gpu_bench.py                  # everything
+  PYTHONPATH=. python benchmarks/gpu_bench.py --plan speed     # or capacity
+  PYTHONPATH=. python benchmarks/gpu_bench.py --dry-run        # list the runs
+  python benchmarks/gpu_bench.py --tiny --out-dir /tmp/bench   # CPU check
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def write_results(results: list[dict], out_dir: str) -> None:
   ok = [r for r in results if r["status"] == "ok"]
   device = ok[0]["device"] if ok else "unknown device"
   lines = [f"# zero_jax GPU benchmark: {device}", "",
-           "`PYTHONPATH=. python experiments/gpu_bench.py`; GPT (fused "
+           "`PYTHONPATH=. python benchmarks/gpu_bench.py`; GPT (fused "
            "attention, vocabulary 50304), bf16 compute, fp32 master and "
            "AdamW state, full remat, one device. MFU = (6Ψ + 12·L·T·d) x "
            "tokens/s / bf16 peak. Memory: the compiled step's device bytes "
@@ -281,15 +282,16 @@ def plan_runs(args) -> tuple[list[Run], list[Run]]:
   """(speed runs, capacity ladder)."""
   sizes = TINY_SIZES if args.tiny else SIZES
   seq = 32 if args.tiny else 1024
+  modes = [m for m in MODES if not args.modes or m in args.modes]
   speed = [Run(size, mode, args.batch, seq, args.steps, args.tiny)
            for size in (args.speed_sizes or
                         (["tiny"] if args.tiny else ["125m", "1.3b"]))
-           for mode in MODES]
+           for mode in modes]
   start = list(sizes).index(args.capacity_from or
                             ("tiny" if args.tiny else "1.3b"))
   ladder = [Run(size, mode, args.capacity_batch, seq, 3, args.tiny)
             for size in list(sizes)[start:]
-            for mode in _LADDER_MODES]
+            for mode in _LADDER_MODES if mode in modes]
   return speed, ladder
 
 
@@ -310,6 +312,11 @@ def main() -> None:
                  choices=sorted(SIZES) + sorted(TINY_SIZES))
   p.add_argument("--capacity-from", default=None,
                  choices=sorted(SIZES) + sorted(TINY_SIZES))
+  p.add_argument("--modes", nargs="*", default=None, choices=list(MODES),
+                 metavar="MODE", help="only these modes (default: all): "
+                 + "; ".join(MODES))
+  p.add_argument("--dry-run", action="store_true",
+                 help="print the runs it would do, as JSON lines, and exit")
   p.add_argument("--timeout", type=float, default=420.0,
                  help="seconds per run")
   p.add_argument("--budget", type=float, default=560.0,
@@ -325,6 +332,11 @@ def main() -> None:
     args.steps = 2
 
   speed, ladder = plan_runs(args)
+  if args.dry_run:
+    for runs, capacity in ((speed, False), (ladder, True)):
+      for run in runs:
+        print(json.dumps({**dataclasses.asdict(run), "capacity": capacity}))
+    return
   results: list[dict] = []
   t0 = time.perf_counter()
 

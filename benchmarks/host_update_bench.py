@@ -15,8 +15,8 @@ core) over ``--params`` fp32 parameters:
 
 ::
 
-  python experiments/host_update_bench.py
-  python experiments/host_update_bench.py --params 268435456 --out /tmp/h.md
+  python benchmarks/host_update_bench.py
+  python benchmarks/host_update_bench.py --params 268435456 --out /tmp/h.md
 """
 
 import argparse
@@ -116,7 +116,7 @@ def main(argv=None):
           f"{rate / 1e9:.3f} G params/s", flush=True)
   torch_rate = rows[-1][1]
   lines = [f"AdamW update of {args.params:,} fp32 parameters on a "
-           f"{cores}-core host (`python experiments/host_update_bench.py`)",
+           f"{cores}-core host (`python benchmarks/host_update_bench.py`)",
            "", "| update | G params/s | per core | / torch |",
            "|---|---|---|---|"]
   for name, rate, used in rows:

@@ -1,4 +1,4 @@
-"""Shared by the experiments: simulate CPU devices when there is no GPU."""
+"""Shared by the benchmarks: simulate CPU devices when there is no GPU."""
 
 import os
 

@@ -10,8 +10,8 @@ moments and, with offload, the gradients); a model fits the GPU when both
 peaks are under ``--limit`` GiB, and the host when its pinned memory is
 under ``--host-limit``::
 
-  PYTHONPATH=. python experiments/offload_capacity.py
-  PYTHONPATH=. python experiments/offload_capacity.py --target h200 \\
+  PYTHONPATH=. python benchmarks/offload_capacity.py
+  PYTHONPATH=. python benchmarks/offload_capacity.py --target h200 \\
       --limit 135 --out /tmp/capacity.md
 """
 

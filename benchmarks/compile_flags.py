@@ -6,7 +6,7 @@ step's memory and collectives, so this compiles a GPT step at every stage
 with and without those flags (one process each: XLA reads its flags once)
 and prints both, with whether they are identical::
 
-  PYTHONPATH=. python experiments/compile_flags.py
+  PYTHONPATH=. python benchmarks/compile_flags.py
 """
 
 import json
@@ -21,20 +21,35 @@ COLUMNS = ("argument", "output", "temp", "alias", "all-gather",
            "reduce-scatter", "all-reduce")
 
 
+def gpt_setup(d_model: int = 64, n_layers: int = 4, seq_len: int = 16,
+              batch: int = 16):
+  """The tests' tiny reference GPT (Flax NNX, scanned layers), one batch."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from zero_jax.models import GPT, GPTConfig, make_loss_fn  # pylint: disable=g-import-not-at-top
+
+  cfg = GPTConfig(vocab_size=64, seq_len=seq_len, d_model=d_model,
+                  n_layers=n_layers, n_heads=4)
+  graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 64, size=(batch, seq_len + 1), dtype=np.int32)
+  return make_loss_fn(graphdef), params, {"tokens": tokens}
+
+
 def measure() -> list[list[int]]:
   """Per stage: the compiled step's bytes and collective counts."""
   import optax  # pylint: disable=g-import-not-at-top
 
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
-  from tests import _models as m  # pylint: disable=g-import-not-at-top
 
-  loss_fn, params, batches = m.gpt_setup(d_model=64, n_layers=4)
+  loss_fn, params, batch = gpt_setup()
   rows = []
   for stage in range(4):
     engine = zj.Engine(loss_fn, optax.adamw(1e-3),
                        zj.ZeroConfig(stage=stage, min_shard_elements=0),
                        zj.make_mesh())
-    compiled = engine.step.lower(engine.init(params), batches[0]).compile()
+    compiled = engine.step.lower(engine.init(params), batch).compile()
     ma = compiled.memory_analysis()
     text = compiled.as_text()
     rows.append([ma.argument_size_in_bytes, ma.output_size_in_bytes,

@@ -8,16 +8,16 @@ per-device train-state bytes with the paper's formula.
 
 On a machine without an accelerator, 8 CPU devices are simulated::
 
-  PYTHONPATH=. python experiments/train_gpt.py
-  PYTHONPATH=. python experiments/train_gpt.py --stage 1 --devices 4 --steps 50
-  PYTHONPATH=. python experiments/train_gpt.py --deepspeed-config ds.json \
-      --log-jsonl run.jsonl
+  PYTHONPATH=. python examples/train_gpt.py
+  PYTHONPATH=. python examples/train_gpt.py --stage 1 --devices 4 --steps 50
+  PYTHONPATH=. python examples/train_gpt.py \
+      --deepspeed-config examples/ds_config.json --log-jsonl run.jsonl
 
 With ``--checkpoint-dir`` it saves every ``--save-every`` steps (and on
 SIGTERM, then exits), and resumes from the latest checkpoint when started
 again, at any stage or device count. Several processes (one per host, or
 ``python -m zero_jax.launch --nproc 2 --devices-per-proc 4
-experiments/train_gpt.py`` on one machine) each feed their slice of the
+examples/train_gpt.py`` on one machine) each feed their slice of the
 same global batch.
 
 A DeepSpeed JSON config (``--deepspeed-config``) sets the ZeRO stage, the
@@ -26,14 +26,28 @@ offload and the batch size, as DeepSpeed would; ``--remat`` and the model
 flags still apply.
 """
 
-from _devices import simulate_cpu_devices
+import os
+
+
+def simulate_cpu_devices(n: int = 8) -> None:
+  """Asks XLA for ``n`` host (CPU) devices unless XLA_FLAGS already sets it.
+
+  Must run before jax is imported. The flag only affects the host backend,
+  so on a GPU machine it is harmless.
+  """
+  if "ZERO_JAX_CPU_DEVICES" in os.environ:
+    return  # started by zero_jax.launch, which sets the device count
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={n}").strip()
+
 
 simulate_cpu_devices(8)  # before jax is imported
 
 import argparse
 import dataclasses
 import glob
-import os
 import signal
 import sys
 import time

@@ -21,15 +21,20 @@ FSDP) all-gather 2Ψ + reduce-scatter Ψ = 3Ψ.
 
 On a machine without an accelerator, 8 CPU devices are simulated::
 
-  PYTHONPATH=. python experiments/memory_sweep.py
-  PYTHONPATH=. python experiments/memory_sweep.py --d-model 128 --devices 2,8 \\
+  PYTHONPATH=. python benchmarks/memory_sweep.py
+  PYTHONPATH=. python benchmarks/memory_sweep.py --d-model 128 --devices 2,8 \\
       --out /tmp/sweep.md --plot /tmp/sweep.png
 
 ``--compile h100`` compiles every step for N H100s instead (``zero_jax.aot``,
 the ``gpu-compile`` extra; no GPU needed): what a GPU user runs, with 16-bit
 collectives kept, real reduce-scatters from GSPMD and the GPU scheduler::
 
-  PYTHONPATH=. python experiments/memory_sweep.py --compile h100 --devices 8
+  PYTHONPATH=. python benchmarks/memory_sweep.py --compile h100 --devices 8
+
+``--plot-from`` redraws the plot of a recorded table without compiling::
+
+  PYTHONPATH=. python benchmarks/memory_sweep.py \\
+      --plot-from benchmarks/results/memory_sweep.md
 """
 
 from _devices import simulate_cpu_devices
@@ -87,6 +92,9 @@ def parse_args() -> argparse.Namespace:
                  "instead of the simulated CPU devices")
   p.add_argument("--hlo-dir", default=None, metavar="DIR",
                  help="write each compiled step's HLO text here")
+  p.add_argument("--plot-from", default=None, metavar="PATH.md",
+                 help="compile nothing: plot the table of an earlier --out "
+                 "(to --plot, else beside it as .png)")
   return p.parse_args()
 
 
@@ -477,11 +485,38 @@ def plot(rows: list[Row], path: str, title: str) -> None:
   print(f"wrote {path}")
 
 
+def rows_from_markdown(path: str) -> tuple[list[Row], str]:
+  """The rows (MiB rounded as written) and plot title of an earlier --out."""
+  runs = {label(run): run for run in RUNS}
+  rows, setup, where = [], "", ""
+  with open(path) as f:
+    for line in f:
+      if line.startswith("- Model: "):
+        setup = line[len("- Model: "):].strip().rstrip(".")
+      elif line.startswith("- Measured on "):
+        where = line[len("- Measured on "):].split(" (`XLA_FLAGS")[0]
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      if line.startswith("|") and cells[0] in runs:
+        b = lambda c: round(float(c) * 2**20)
+        rows.append(Row(runs[cells[0]], int(cells[1]),
+                        int(cells[2].replace(",", "")), b(cells[3]),
+                        b(cells[4]), b(cells[5]), b(cells[6]),
+                        *map(float, cells[7:11])))
+  if not rows:
+    raise SystemExit(f"no table rows in {path}")
+  return rows, f"{setup}; {where}"
+
+
 # -------------------------------------------------------------------- main
 
 
 def main() -> None:
   args = parse_args()
+  if args.plot_from:
+    rows, title = rows_from_markdown(args.plot_from)
+    plot(rows, args.plot or os.path.splitext(args.plot_from)[0] + ".png",
+         title)
+    return
   t_start = time.perf_counter()
   ns = [int(n) for n in args.devices.split(",")]
   for n in ns:
