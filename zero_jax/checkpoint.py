@@ -25,7 +25,12 @@ stored: it is a cast of the master, redone on restore.
 ``export_params`` writes the parameters alone as a plain orbax checkpoint in
 the structure given to ``Engine.init``, which Flax code loads without
 zero_jax; ``load_params`` reads such a checkpoint back, already sharded, to
-start training with a fresh optimizer.
+start training with a fresh optimizer (both in ``checkpoint_export``,
+importable from here).
+
+Around ``Checkpointer``: ``checkpoint_compat`` checks that a checkpoint fits
+the model and optimizer before orbax reads it, and ``checkpoint_files``
+holds what it needs of the file system and of orbax's threads.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ ZeroConfig's default, which is DeepSpeed's except where noted; a JSON
 
 Notes on the mapping:
 
-
 * The batch sizes are copied, not resolved: ``ZeroConfig.batch_sizes`` applies
   DeepSpeed's ``train = micro x accum x devices`` rule once the device count
   is known.
@@ -30,16 +29,14 @@ Notes on the mapping:
   ``stage3_param_persistence_threshold`` elements; zero_jax when it has
   *fewer than* ``min_shard_elements``, so the field is the threshold + 1.
   Absent, zero_jax's default (1024) applies, not DeepSpeed's (1e5).
-* ``offload_optimizer.device``: ``"cpu"`` gives ``"host"`` and ``"none"``
-  gives None; ``"nvme"`` is always an error (zero_jax has no disk offload).
-  ``pin_memory``, ``buffer_count``, ``fast_init``, ``pipeline_read``,
-  ``pipeline_write`` and ``nvme_path`` are accepted and have no effect (JAX
-  pins host memory itself); ``ratio`` below 1 warns, as all of the state is
-  offloaded. ``offload_param.device``: ``"cpu"`` gives
-  ``offload_params="host"`` (stage 3 only), ``"nvme"`` is an error.
-* The performance knobs in ``deepspeed_keys.NO_EFFECT_KEYS`` (bucket sizes, overlap,
-  prefetching, printing...) are accepted with one warning listing them: XLA
-  schedules zero_jax's communication, so they change nothing.
+* Offload: ``"nvme"`` is always an error (zero_jax has no disk offload).
+  ``offload_optimizer``'s ``pin_memory``, ``buffer_count``, ``fast_init``,
+  ``pipeline_read``, ``pipeline_write`` and ``nvme_path`` are accepted and
+  have no effect (JAX pins host memory itself); ``ratio`` below 1 warns, as
+  all of the state is offloaded.
+* The performance knobs in ``deepspeed_keys.NO_EFFECT_KEYS`` (bucket sizes,
+  overlap, prefetching, printing...) are accepted with one warning listing
+  them: XLA schedules zero_jax's communication, so they change nothing.
 * Everything else (``optimizer``, ``scheduler``, ``activation_checkpointing``,
   ``amp``, monitoring, ``pipeline``, ``moe``, unknown keys...) is refused with
   a ``ValueError`` naming the dotted key and what to do instead; with
@@ -83,6 +80,12 @@ class DeepSpeedKey:
   field: str
   read: Callable[[str, Any], Any] | None = None
   note: str = ""
+
+  @property
+  def prefix(self) -> str:
+    """The key's section, dotted, with a trailing dot ("" at the top)."""
+    section = self.key.rpartition(".")[0]
+    return section + "." if section else ""
 
   @property
   def leaf(self) -> str:
@@ -216,8 +219,7 @@ class _Translator:
   def mapped(self, section: Mapping[str, Any], prefix: str) -> set[str]:
     """Translates the keys of ``MAPPING`` directly under ``prefix`` that
     have a ``read``; returns the names of all its keys there (handled)."""
-    rows = [r for r in MAPPING if r.key.rpartition(".")[0] + "." ==
-            (prefix or ".")]
+    rows = [row for row in MAPPING if row.prefix == prefix]
     for row in rows:
       value = self.get(section, row.leaf, prefix)
       if row.read is not None and value is not None:
@@ -280,16 +282,16 @@ class _Translator:
           "one (bf16 needs no loss scaling)")
     self.rest(bf16, f"{bf16_key}.", {"enabled"})
     if bf16_on:
-      self.kwargs["compute_dtype"] = "bfloat16"
+      self.kwargs[_ROWS["bf16.enabled"].field] = "bfloat16"
     if not fp16_on:
       # DeepSpeed ignores the other fp16 keys when fp16 is off; so do we
       # (but still flags keys it does not know, most likely typos).
-      known = {row.leaf for row in MAPPING if row.key.startswith("fp16.")}
+      known = {row.leaf for row in MAPPING if row.prefix == "fp16."}
       self.rest(fp16, "fp16.", known | {
           k.split(".", 1)[1] for k in UNSUPPORTED_WHY if
           k.startswith("fp16.")})
       return
-    self.kwargs["compute_dtype"] = "float16"
+    self.kwargs[_ROWS["fp16.enabled"].field] = "float16"
     p = "fp16."
     handled = self.mapped(fp16, p)
     value = self.get(fp16, "auto_cast", p)
@@ -346,9 +348,9 @@ class _Translator:
   def offload_optimizer(self, section: Mapping[str, Any]) -> None:
     p = "zero_optimization.offload_optimizer."
     device = self.offload_device(section, p, "optimizer state")
-    checks = {"pin_memory": as_bool, "fast_init": as_bool, "pipeline_read": as_bool,
-              "pipeline_write": as_bool, "buffer_count": as_size,
-              "nvme_path": as_str}
+    checks = {"pin_memory": as_bool, "fast_init": as_bool,
+              "pipeline_read": as_bool, "pipeline_write": as_bool,
+              "buffer_count": as_size, "nvme_path": as_str}
     for key, check in checks.items():
       value = self.get(section, key, p)
       if value is not None:

@@ -266,6 +266,21 @@ def _stderr(message: str) -> None:
 _fail_fast: _FailFast | None = None
 
 
+def start_fail_fast(client: Any, process_id: int) -> None:
+  """Arms fail-fast for this process (``initialize(fail_fast=True)``)."""
+  global _fail_fast
+  _fail_fast = _FailFast(client, process_id)
+  _fail_fast.start()
+
+
+def stop_fail_fast() -> None:
+  """Disarms fail-fast, if armed (``zero_jax.distributed.shutdown``)."""
+  global _fail_fast
+  if _fail_fast is not None:
+    _fail_fast.stop()
+    _fail_fast = None
+
+
 class _Heartbeat:
   """This process's heartbeat file, touched by ``step_done()``.
 
@@ -349,6 +364,8 @@ def step_done() -> None:
     guard.exit_requested = None
 
 
+# ------------------------------------------------- the launcher's side
+
 class Watchdog:
   """The launcher's side of ``--watchdog``: tells when a running process
   has gone too long without a step.
@@ -398,16 +415,5 @@ class Watchdog:
     return time.monotonic() - self.last_step[i]
 
 
-def start_fail_fast(client: Any, process_id: int) -> None:
-  """Arms fail-fast for this process (``initialize(fail_fast=True)``)."""
-  global _fail_fast
-  _fail_fast = _FailFast(client, process_id)
-  _fail_fast.start()
-
-
-def stop_fail_fast() -> None:
-  """Disarms fail-fast, if armed (``zero_jax.distributed.shutdown``)."""
-  global _fail_fast
-  if _fail_fast is not None:
-    _fail_fast.stop()
-    _fail_fast = None
+__all__ = ["ENV_HEARTBEAT_FILE", "STACK_DUMP_SIGNAL", "Watchdog",
+           "global_state", "start_fail_fast", "step_done", "stop_fail_fast"]

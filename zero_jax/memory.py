@@ -149,7 +149,6 @@ def _check_paper_args(psi: float, n: int, stage: int, param_bytes: float,
                fix="pass optimizer-state bytes per parameter, e.g. 12")
 
 
-
 def optimizer_state_bytes(optimizer: str = "adamw",
                           k: float | None = None) -> float:
   """Optimizer-state bytes per parameter K.
@@ -174,7 +173,6 @@ def optimizer_state_bytes(optimizer: str = "adamw",
                      f"{sorted(OPTIMIZER_STATE_BYTES)} (or pass k=bytes per "
                      "parameter)")
   return OPTIMIZER_STATE_BYTES[optimizer]
-
 
 
 def _unplaced(pl: Placement, c: int | None) -> tuple[bool, bool, int]:
