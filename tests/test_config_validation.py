@@ -122,7 +122,7 @@ def test_initial_scale_power_overflow_gives_the_largest_power():
 
 def test_initial_scale_power_overflow_through_deepspeed():
   config = {"fp16": {"enabled": True, "initial_scale_power": 128}}
-  for load in (zj.ZeroConfig.from_deepspeed, zj.deepspeed.from_deepspeed):
+  for load in (zj.from_deepspeed, zj.deepspeed.from_deepspeed):
     with pytest.raises(ValueError) as info:
       load(config)
     message = str(info.value)
@@ -132,7 +132,7 @@ def test_initial_scale_power_overflow_through_deepspeed():
 
 def test_deepspeed_infinite_clipping_names_its_key():
   with pytest.raises(ValueError, match="'gradient_clipping'"):
-    zj.ZeroConfig.from_deepspeed({"gradient_clipping": _INF})
+    zj.from_deepspeed({"gradient_clipping": _INF})
 
 
 def test_new_fields():

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 import zero_jax as zj
-from zero_jax import deepspeed
+from zero_jax import deepspeed, deepspeed_keys
 
 # The example config of the issue (DeepSpeed's ZeRO-Offload tutorial).
 _EXAMPLE = {
@@ -29,7 +29,7 @@ def _load(config, **kw):
   """from_deepspeed, failing on any warning."""
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    return zj.ZeroConfig.from_deepspeed(config, **kw)
+    return zj.from_deepspeed(config, **kw)
 
 
 def _key(path):
@@ -71,27 +71,27 @@ def test_loads_from_a_path(tmp_path):
 def test_bad_files_name_the_path(tmp_path):
   missing = tmp_path / "missing.json"
   with pytest.raises(FileNotFoundError, match="missing.json"):
-    zj.ZeroConfig.from_deepspeed(missing)
+    zj.from_deepspeed(missing)
   broken = tmp_path / "broken.json"
   broken.write_text('{"train_batch_size": 32,}')
   with pytest.raises(ValueError, match="broken.json.*not valid JSON"):
-    zj.ZeroConfig.from_deepspeed(broken)
+    zj.from_deepspeed(broken)
   array = tmp_path / "array.json"
   array.write_text("[1, 2]")
   with pytest.raises(ValueError, match="array.json.*JSON object"):
-    zj.ZeroConfig.from_deepspeed(array)
+    zj.from_deepspeed(array)
   with pytest.raises(TypeError, match="path to a DeepSpeed JSON file"):
-    zj.ZeroConfig.from_deepspeed(32)
+    zj.from_deepspeed(32)
 
 
 def test_errors_from_a_file_name_it(tmp_path):
   path = tmp_path / "ds.json"
   path.write_text(json.dumps({"zero_optimization": {"stage": "2"}}))
   with pytest.raises(ValueError, match="zero_optimization.stage.*ds.json"):
-    zj.ZeroConfig.from_deepspeed(path)
+    zj.from_deepspeed(path)
   path.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
   with pytest.raises(ValueError, match="(?s)ds.json.*optimizer"):
-    zj.ZeroConfig.from_deepspeed(path)
+    zj.from_deepspeed(path)
 
 
 def test_defaults_are_deepspeeds():
@@ -110,7 +110,7 @@ def test_defaults_are_deepspeeds():
 
 def test_deprecated_zero_optimization_true_is_stage_1():
   with pytest.warns(UserWarning, match="deprecated"):
-    assert zj.ZeroConfig.from_deepspeed({"zero_optimization": True}).stage == 1
+    assert zj.from_deepspeed({"zero_optimization": True}).stage == 1
 
 
 def test_nvme_optimizer_offload_errors_even_when_warning():
@@ -118,7 +118,7 @@ def test_nvme_optimizer_offload_errors_even_when_warning():
       "device": "nvme", "nvme_path": "/local_nvme"}}}
   for mode in ("error", "warn"):
     with pytest.raises(ValueError, match=r"offload_optimizer\.device.*nvme"):
-      zj.ZeroConfig.from_deepspeed(config, unsupported=mode)
+      zj.from_deepspeed(config, unsupported=mode)
 
 
 def test_optimizer_offload_options_are_accepted():
@@ -130,7 +130,7 @@ def test_optimizer_offload_options_are_accepted():
       "device": "none", "pin_memory": False}}})
   assert cfg.offload_optimizer is None
   with pytest.warns(UserWarning, match="ratio"):
-    cfg = zj.ZeroConfig.from_deepspeed({"zero_optimization": {
+    cfg = zj.from_deepspeed({"zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
   assert cfg.offload_optimizer == "host"
   assert _load({"zero_optimization": {"offload_param": {
@@ -171,7 +171,7 @@ _UNSUPPORTED = [
                          ids=[k for _, k, _ in _UNSUPPORTED])
 def test_unsupported_key_errors_naming_it(config, key, why):
   with pytest.raises(ValueError, match=re.escape(key)) as info:
-    zj.ZeroConfig.from_deepspeed(config)
+    zj.from_deepspeed(config)
   message = str(info.value)
   assert why in message
   assert "unsupported='warn'" in message
@@ -181,7 +181,7 @@ def test_unsupported_key_errors_naming_it(config, key, why):
                          ids=[k for _, k, _ in _UNSUPPORTED])
 def test_unsupported_key_warns_and_is_dropped(config, key, why):
   with pytest.warns(UserWarning, match=_key(key)) as record:
-    cfg = zj.ZeroConfig.from_deepspeed(config, unsupported="warn")
+    cfg = zj.from_deepspeed(config, unsupported="warn")
   assert isinstance(cfg, zj.ZeroConfig)
   assert sum(repr(key) in str(w.message) for w in record) == 1
 
@@ -191,12 +191,12 @@ def test_every_unsupported_key_is_listed_once():
             "zero_optimization": {"stage": 3,
                                   "cpu_offload_param": True}}
   with pytest.raises(ValueError, match="4 keys") as info:
-    zj.ZeroConfig.from_deepspeed(config)
+    zj.from_deepspeed(config)
   for key in ("optimizer", "scheduler", "wandb",
               "zero_optimization.cpu_offload_param"):
     assert f"  {key}: " in str(info.value)
   with pytest.warns(UserWarning) as record:
-    cfg = zj.ZeroConfig.from_deepspeed(config, unsupported="warn")
+    cfg = zj.from_deepspeed(config, unsupported="warn")
   assert len(record) == 4
   assert cfg.stage == 3
   # The warnings point at the caller, not at zero_jax.
@@ -205,7 +205,7 @@ def test_every_unsupported_key_is_listed_once():
 
 def test_unsupported_mode_is_checked():
   with pytest.raises(ValueError, match="unsupported must be one of"):
-    zj.ZeroConfig.from_deepspeed({}, unsupported="ignore")
+    zj.from_deepspeed({}, unsupported="ignore")
 
 
 def test_deepspeed_defaults_written_out_are_accepted():
@@ -232,18 +232,18 @@ def test_deepspeed_defaults_written_out_are_accepted():
 def test_auto_errors_naming_the_key(config, key):
   for mode in ("error", "warn"):
     with pytest.raises(ValueError, match=_key(key) + ".*replace 'auto'"):
-      zj.ZeroConfig.from_deepspeed(config, unsupported=mode)
+      zj.from_deepspeed(config, unsupported=mode)
 
 
 def test_fp16_and_bf16_together_error():
   with pytest.raises(ValueError, match="both fp16 and bf16"):
-    zj.ZeroConfig.from_deepspeed({"fp16": {"enabled": True},
+    zj.from_deepspeed({"fp16": {"enabled": True},
                                   "bf16": {"enabled": True}})
   with pytest.raises(ValueError, match="both fp16 and bfloat16"):
-    zj.ZeroConfig.from_deepspeed({"fp16": {"enabled": True},
+    zj.from_deepspeed({"fp16": {"enabled": True},
                                   "bfloat16": {"enabled": True}})
   with pytest.raises(ValueError, match="keep only 'bf16'"):
-    zj.ZeroConfig.from_deepspeed({"bf16": {"enabled": True},
+    zj.from_deepspeed({"bf16": {"enabled": True},
                                   "bfloat16": {"enabled": True}})
 
 
@@ -271,21 +271,21 @@ def test_tuning_keys_warn_once():
          "zero_allow_untested_optimizer": True, "dump_state": False,
          "prescale_gradients": False, "gradient_predivide_factor": 1.0}
   with pytest.warns(UserWarning, match="no effect in zero_jax") as record:
-    cfg = zj.ZeroConfig.from_deepspeed(dict(top, zero_optimization=zero))
+    cfg = zj.from_deepspeed(dict(top, zero_optimization=zero))
   assert len(record) == 1
   message = str(record[0].message)
   assert "XLA" in message
   for key in list(top) + [f"zero_optimization.{k}" for k in zero
                           if k != "stage"]:
     assert key in message
-    assert key in deepspeed._NO_EFFECT_KEYS  # pylint: disable=protected-access
+    assert key in deepspeed_keys.NO_EFFECT_KEYS
   assert "zero_optimization.stage," not in message
   assert cfg.stage == 3
 
 
 def test_tuning_keys_not_given_are_not_listed():
   with pytest.warns(UserWarning) as record:
-    zj.ZeroConfig.from_deepspeed({"steps_per_print": 100})
+    zj.from_deepspeed({"steps_per_print": 100})
   assert len(record) == 1
   assert "steps_per_print has no effect" in str(record[0].message)
   assert "overlap_comm" not in str(record[0].message)
@@ -314,7 +314,7 @@ def test_fp16_keys_are_ignored_when_fp16_is_off():
 
 def test_invalid_zero_config_names_the_deepspeed_key():
   with pytest.raises(ValueError, match="fp16.min_loss_scale"):
-    zj.ZeroConfig.from_deepspeed({"fp16": {"enabled": True,
+    zj.from_deepspeed({"fp16": {"enabled": True,
                                            "initial_scale_power": 4,
                                            "min_loss_scale": 64}})
 
@@ -384,7 +384,7 @@ def test_persistence_threshold_maps():
 def test_bad_types_error_naming_the_key(config, key):
   for mode in ("error", "warn"):
     with pytest.raises(ValueError, match=_key(key)):
-      zj.ZeroConfig.from_deepspeed(config, unsupported=mode)
+      zj.from_deepspeed(config, unsupported=mode)
 
 
 def test_offload_param_maps_to_stage3_parameter_offload():
@@ -397,3 +397,28 @@ def test_offload_param_maps_to_stage3_parameter_offload():
   with pytest.raises(ValueError, match="stage=3"):
     _load({"zero_optimization": {"stage": 2, "offload_param": {
         "device": "cpu"}}})
+
+
+def test_zeroconfig_from_deepspeed_is_deprecated():
+  # The old spelling still works for one release, and names the new one.
+  with pytest.warns(DeprecationWarning, match=r"zero_jax\.from_deepspeed"):
+    cfg = zj.ZeroConfig.from_deepspeed(_EXAMPLE)
+  assert cfg == zj.from_deepspeed(_EXAMPLE)
+
+
+def test_the_mapping_table_is_the_translation():
+  table = deepspeed.mapping_table_markdown()
+  lines = table.splitlines()
+  assert lines[0].startswith("| DeepSpeed key | ZeroConfig field")
+  assert len(lines) == 2 + len(deepspeed.MAPPING)
+  for row, line in zip(deepspeed.MAPPING, lines[2:]):
+    assert line.startswith(f"| `{row.key}` |")
+  # The top-level count rows set their field from their key.
+  for row in deepspeed.MAPPING:
+    if row.read is None or not row.key.startswith(("train_", "gradient_")):
+      continue
+    assert getattr(zj.from_deepspeed({row.key: 2}), row.field) == 2
+  # The module docstring points to the table instead of repeating it.
+  assert "mapping_table_markdown" in deepspeed.__doc__
+  assert "stage3_param_persistence_threshold" not in deepspeed.__doc__.split(
+      "Notes on the mapping")[0]

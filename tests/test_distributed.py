@@ -19,7 +19,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax import distributed, launch
+from zero_jax import distributed, failfast, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "_launch_script.py")
@@ -141,7 +141,7 @@ def test_fail_fast_hook_publishes_the_error(monkeypatch):
   seen = []
   monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a[0]))
   client = _FakeClient()
-  guard = distributed._FailFast(client, process_id=1)
+  guard = failfast._FailFast(client, process_id=1)
   guard.start()
   try:
     assert sys.excepthook == guard._excepthook

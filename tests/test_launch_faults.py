@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from zero_jax import distributed, launch
+from zero_jax import distributed, failfast, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join("tests", "_fault_script.py")
@@ -140,8 +140,8 @@ def test_failure_grace_period_defaults_to_at_most_the_grace_period():
 
 def test_heartbeat(tmp_path):
   path = tmp_path / "heartbeat0"
-  assert distributed._start_heartbeat({}) is None
-  heartbeat = distributed._start_heartbeat(
+  assert failfast._start_heartbeat({}) is None
+  heartbeat = failfast._start_heartbeat(
       {distributed.ENV_HEARTBEAT_FILE: str(path)})
   try:
     # Created with mtime 0: running, no step yet.
@@ -153,7 +153,7 @@ def test_heartbeat(tmp_path):
     heartbeat.beat()  # (within a second of the last touch: nothing)
     assert os.stat(path).st_mtime_ns == 1
     # A second importer (a subprocess inheriting the variable) keeps it.
-    distributed._Heartbeat(str(path)).create()
+    failfast._Heartbeat(str(path)).create()
     assert os.stat(path).st_mtime_ns == 1
   finally:
     faulthandler.unregister(distributed.STACK_DUMP_SIGNAL)
@@ -161,7 +161,7 @@ def test_heartbeat(tmp_path):
 
 def test_step_done_without_the_launcher_is_cheap():
   # (The launcher's variable is not set in the test process.)
-  assert distributed._heartbeat is None
+  assert failfast._heartbeat is None
   t0 = time.perf_counter()
   for _ in range(100_000):
     distributed.step_done()
@@ -186,8 +186,8 @@ class _FakeClient:
 
 def test_fail_fast_sees_sys_exit(monkeypatch):
   previous_exit, previous_builtin = sys.exit, builtins.exit
-  guard = distributed._FailFast(_FakeClient(), process_id=1)
-  monkeypatch.setattr(distributed, "_fail_fast", guard)
+  guard = failfast._FailFast(_FakeClient(), process_id=1)
+  monkeypatch.setattr(failfast, "_fail_fast", guard)
   guard.start()
   try:
     assert sys.exit is not previous_exit and builtins.exit is not \
@@ -198,7 +198,7 @@ def test_fail_fast_sees_sys_exit(monkeypatch):
     with pytest.raises(SystemExit):
       builtins.exit(6)  # exit() and quit() (site's) too
     assert guard.exit_requested == 6
-    distributed._main_exited(7)  # the launcher's runner: raise SystemExit(7)
+    failfast._main_exited(7)  # the launcher's runner: raise SystemExit(7)
     assert guard.exit_requested == 7
     with pytest.raises(SystemExit):
       sys.exit("a message")
@@ -229,19 +229,19 @@ def test_fail_fast_sees_sys_exit(monkeypatch):
 
 def test_fail_fast_publishes_the_exit_code():
   client = _FakeClient()
-  first = distributed._FailFast(client, process_id=1)
+  first = failfast._FailFast(client, process_id=1)
   first._fail(3, "process 1 exited with code 3 (sys.exit)")
   assert first._exit_code == 3
   value = client.store["zero_jax/abort"]
-  assert distributed._parse_abort(value) == (
+  assert failfast._parse_abort(value) == (
       3, "process 1 exited with code 3 (sys.exit)")
   # A later failure (process 0's collective with the dead process) takes
   # the first one's code.
-  second = distributed._FailFast(client, process_id=0)
+  second = failfast._FailFast(client, process_id=0)
   second._fail(1, "process 0 failed with ValueError: Gloo AllGather failed")
   assert second._exit_code == 3
   # An uncaught exception's code (1) leaves the message as it was.
-  assert distributed._abort_value(1, "process 1 failed with E: x") == \
+  assert failfast._abort_value(1, "process 1 failed with E: x") == \
       "process 1 failed with E: x"
-  assert distributed._parse_abort("process 1 failed with E: x") == (
+  assert failfast._parse_abort("process 1 failed with E: x") == (
       1, "process 1 failed with E: x")

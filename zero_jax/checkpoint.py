@@ -25,29 +25,32 @@ stored: it is a cast of the master, redone on restore.
 ``export_params`` writes the parameters alone as a plain orbax checkpoint in
 the structure given to ``Engine.init``, which Flax code loads without
 zero_jax; ``load_params`` reads such a checkpoint back, already sharded, to
-start training with a fresh optimizer.
+start training with a fresh optimizer (both in ``checkpoint_export``,
+importable from here).
+
+Around ``Checkpointer``: ``checkpoint_compat`` checks that a checkpoint fits
+the model and optimizer before orbax reads it, and ``checkpoint_files``
+holds what it needs of the file system and of orbax's threads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import functools
-import json
 import os
 import signal
-import sys
-import tempfile
 import threading
-import weakref
 from typing import Any
 
 from etils import epath
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from zero_jax import loss_scale as _ls
+from zero_jax.checkpoint_compat import check_matches, outline
+from zero_jax.checkpoint_export import export_params, load_params
+from zero_jax.checkpoint_files import (COMMIT_FILE, at_thread_shutdown,
+                                       check_usable, commit_time,
+                                       operation_id, release_orbax_threads)
 from zero_jax.engine import Engine, TrainState
 
 # The parts of the TrainState a checkpoint stores (compute_params is derived).
@@ -107,7 +110,7 @@ class Checkpointer:
     if self._local:
       # Orbax would accept a file or an unwritable path here and fail only
       # in its background threads, which then keep the process alive.
-      _check_usable(self.directory)
+      check_usable(self.directory)
     self._manager = ocp.CheckpointManager(
         os.path.abspath(self.directory) if self._local else self.directory,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -123,7 +126,7 @@ class Checkpointer:
     self._check_no_strays()
     self._sigterm = threading.Event()
     self._polled = False
-    _at_thread_shutdown(self)
+    at_thread_shutdown(self)
     self._previous_handler = None
     self._installed = False
     if (handle_sigterm and jax.process_count() == 1 and
@@ -196,7 +199,7 @@ class Checkpointer:
           "move or delete it, then save again")
     if self._local:
       try:
-        _check_usable(self.directory)
+        check_usable(self.directory)
       except OSError as e:
         raise self._write_error(step, e, "could not start") from e
     items = {"state": ocp.args.StandardSave(
@@ -206,7 +209,7 @@ class Checkpointer:
     meta = {"format": 1, "step": step,
             "num_devices": jax.device_count(),
             "process_count": jax.process_count(),
-            "opt_state": _outline(state.opt_state)}
+            "opt_state": outline(state.opt_state)}
     if engine is not None:
       # (JSON: tuples become lists.)
       meta["config"] = dataclasses.asdict(engine.config)
@@ -214,10 +217,10 @@ class Checkpointer:
       started = self._manager.save(step, args=ocp.args.Composite(
           meta=ocp.args.JsonSave(meta), **items))
     except (OSError, ValueError) as e:  # (orbax's "could not create")
-      _release_orbax_threads(_operation_id())
+      release_orbax_threads(operation_id())
       raise self._write_error(step, e, "failed") from e
     if started:
-      self._pending = (step, _operation_id())
+      self._pending = (step, operation_id())
     return started
 
   def wait(self) -> None:
@@ -273,7 +276,7 @@ class Checkpointer:
               e: BaseException) -> CheckpointWriteError:
     # The save's other threads may wait for a step directory that will
     # never come (until orbax's 300 s timeout), holding the process at exit.
-    _release_orbax_threads(pending[1])
+    release_orbax_threads(pending[1])
     try:
       # Orbax dropped the steps this save was to replace (max_to_keep) from
       # its list; they are still on disk, and still the ones to resume.
@@ -330,7 +333,7 @@ class Checkpointer:
     try:
       ok = ((path / "meta" / "metadata").exists() and
             (path / "state").is_dir() and
-            ((path / _COMMIT_FILE).exists() or _commit_time(path)))
+            ((path / COMMIT_FILE).exists() or commit_time(path)))
     except OSError:  # unreadable: not a checkpoint to restore
       ok = False
     if ok:
@@ -365,8 +368,8 @@ class Checkpointer:
     tree = {k: getattr(target, k) for k in _STORED}
     meta = self._meta(step)
     for part in _STORED:
-      _check_matches(tree[part], stored.get(part), part, self._where(step),
-                     meta)
+      check_matches(tree[part], stored.get(part), part, self._where(step),
+                    meta)
     items = {"state": ocp.args.StandardRestore(tree)}
     # A run resumed from a checkpoint without a loss scale (or skip count)
     # starts a fresh one.
@@ -461,317 +464,10 @@ class Checkpointer:
     return self._sigterm.is_set()
 
 
-# ------------------------------------------------------------------ export
-
-def export_params(engine: Engine, state: TrainState,
-                  directory: str | os.PathLike, *,
-                  dtype: Any = jnp.float32) -> None:
-  """Writes the parameters alone as a plain orbax checkpoint.
-
-  The checkpoint holds one whole array per parameter, in the tree given to
-  ``Engine.init``: plain JAX/Flax code loads it with
-  ``orbax.checkpoint.StandardCheckpointer().restore(directory)`` (add a
-  target to place it on any devices). Each process writes only the shards
-  its devices hold, so no host ever holds the whole model.
-
-  Args:
-    engine: the engine ``state`` belongs to.
-    state: the train state.
-    directory: a new directory (it must not exist).
-    dtype: the saved dtype, e.g. ``jnp.float32`` or ``jnp.bfloat16``; None
-      keeps the dtypes given to ``Engine.init``.
-  """
-  directory = os.path.abspath(os.fspath(directory))
-  if os.path.exists(directory):
-    raise FileExistsError(f"{directory!r} exists; export to a new directory")
-  dtypes = engine._dtypes  # pylint: disable=protected-access
-  shards = engine.param_plan.shardings  # device memory, this engine's layout
-  out = []
-  for x, dt, sh in zip(jax.tree.leaves(state.params), dtypes,
-                       jax.tree.leaves(shards)):
-    # One leaf at a time, in the sharded layout (a replicated master is
-    # sliced, an offloaded one copied to the device), cast shard by shard.
-    out.append(_cast(jax.device_put(x, sh),
-                     jnp.dtype(dt if dtype is None else dtype)))
-  tree = jax.tree.unflatten(jax.tree.structure(state.params), out)
-  ckptr = ocp.StandardCheckpointer()
-  ckptr.save(directory, tree)
-  ckptr.wait_until_finished()
-  ckptr.close()
-
-
-def load_params(directory: str | os.PathLike, engine: Engine,
-                params: Any) -> Any:
-  """Reads a parameters-only checkpoint, already in ``engine``'s layout.
-
-  The checkpoint is one from ``export_params`` or any orbax checkpoint of a
-  parameter tree with the same structure (e.g. saved by plain Flax code).
-  Pass the result to ``engine.init`` to train from it with a fresh
-  optimizer state; each device reads only its shard.
-
-  Args:
-    directory: the checkpoint.
-    engine: the engine that will train.
-    params: the tree of shapes and dtypes (arrays or
-      ``jax.ShapeDtypeStruct`` s) given to ``engine.init``.
-
-  Returns:
-    The parameters in the dtypes of ``params``, sharded as ``engine``
-    shards its master copy.
-
-  Raises:
-    ValueError: the checkpoint's tree or shapes differ; names the first
-      differing leaf.
-  """
-  directory = os.path.abspath(os.fspath(directory))
-  engine.abstract_state(params)  # builds the layout
-  shards = engine.param_plan.shardings
-  target = jax.tree.map(
-      lambda p, sh: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh),
-      params, shards)
-  ckptr = ocp.StandardCheckpointer()
-  try:
-    stored = ckptr.metadata(directory)
-  except Exception as e:
-    raise ValueError(f"could not read the parameter checkpoint "
-                     f"{directory!r}: {e}") from e
-  stored = getattr(stored, "item_metadata", stored)
-  stored = getattr(stored, "tree", stored)
-  _check_matches(target, stored, "params", f"{directory!r}", {},
-                 check_dtype=False)
-  return ckptr.restore(directory, target)
-
-
 # --------------------------------------------------------------- helpers
-
-@functools.partial(jax.jit, static_argnums=1)
-def _cast(x: jax.Array, dtype: Any) -> jax.Array:
-  return x.astype(dtype)
-
 
 def _ls_dict(ls: Any) -> dict[str, Any]:
   return {f.name: getattr(ls, f.name) for f in dataclasses.fields(ls)}
-
-
-def _key(entry: Any) -> str:
-  for attr in ("key", "idx", "name"):
-    if hasattr(entry, attr):
-      return str(getattr(entry, attr))
-  return str(entry)
-
-
-def _flat(tree: Any) -> dict[tuple[str, ...], Any]:
-  """Leaves by a path of plain strings: a namedtuple field, a dict key and
-  a list index read the same in a live tree and in orbax's metadata."""
-  return {tuple(_key(k) for k in path): leaf for path, leaf in
-          jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _check_matches(target: Any, stored: Any, part: str, where: str,
-                   meta: dict[str, Any], check_dtype: bool = True) -> None:
-  """Raises a ValueError naming the first leaf where ``stored`` (orbax
-  metadata) and ``target`` differ in presence, shape or dtype, or else the
-  first state-less node (e.g. an optimizer's ``EmptyState``) that only one
-  of them has."""
-  saved_as = ""
-  if meta.get("config"):
-    c = meta["config"]
-    saved_as = (f" (saved at stage {c.get('stage')} on "
-                f"{meta.get('num_devices')} device(s))")
-
-  def fail(what: str) -> None:
-    if part == "opt_state" and stored is not None:
-      # The model matches (params are checked first): another optimizer.
-      was = meta.get("opt_state") or _outline(stored)
-      raise ValueError(
-          f"{where}{saved_as} holds the state of another optimizer than "
-          f"this engine's: {what}. The checkpoint's optimizer state is "
-          f"{was}; this engine's is {_outline(target)}. Restore with the "
-          "optimizer it was saved with (the stage, mesh and offload may "
-          "differ), or, to switch optimizers, restore with it and start "
-          "this engine's optimizer state fresh from the parameters: "
-          "engine.init(old_engine.gather_params(state)), or export_params "
-          "and load_params for a large model.")
-    raise ValueError(
-        f"{where}{saved_as} does not match this model and optimizer: {what}."
-        " It was saved from a different model, optimizer or parameter tree; "
-        "restore with the same ones (the stage, mesh and offload may "
-        "differ).")
-
-  if stored is None:
-    fail(f"it has no {part!r}")
-  want, have = _flat(target), _flat(stored)
-  for path, t in want.items():
-    name = "/".join((part,) + path)
-    if path not in have:
-      fail(f"{name} is missing from the checkpoint")
-    s = have[path]
-    if tuple(s.shape) != tuple(t.shape):
-      fail(f"{name} has shape {tuple(s.shape)} in the checkpoint but "
-           f"{tuple(t.shape)} here")
-    if check_dtype and jnp.dtype(s.dtype) != jnp.dtype(t.dtype):
-      fail(f"{name} has dtype {jnp.dtype(s.dtype)} in the checkpoint but "
-           f"{jnp.dtype(t.dtype)} here")
-  for path in have:
-    if path not in want:
-      fail(f"{'/'.join((part,) + path)} is in the checkpoint but not in "
-           "this model")
-  # The same arrays, but e.g. adam's (ScaleByAdamState, EmptyState) against
-  # adamw's (ScaleByAdamState, EmptyState, EmptyState): orbax would refuse
-  # the tree. A node without arrays is stored as None.
-  want, have = _empty_nodes(target), _empty_nodes(stored)
-  for path in want:
-    if path not in have:
-      fail(f"{'/'.join((part,) + path)} (a part without arrays) is missing "
-           "from the checkpoint")
-  for path in have:
-    if path not in want:
-      fail(f"{'/'.join((part,) + path)} (a part without arrays) is in the "
-           "checkpoint but not here")
-
-
-def _is_empty(tree: Any) -> bool:
-  return not jax.tree_util.tree_leaves(tree)
-
-
-def _empty_nodes(tree: Any) -> list[tuple[str, ...]]:
-  """Paths of the nodes that hold no arrays (``None``, ``EmptyState()``,
-  ``()``), in tree order."""
-  return [tuple(_key(k) for k in path) for path, leaf in
-          jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty)[0]
-          if _is_empty(leaf)]
-
-
-def _outline(tree: Any, depth: int = 1) -> str:
-  """A short picture of a tree's top levels, e.g. of an optimizer state:
-  ``(ScaleByAdamState(count, mu, nu), EmptyState())``; orbax's metadata of
-  the same state reads ``[{count, mu, nu}, None]``."""
-  if _is_empty(tree):
-    return "None" if tree is None else f"{type(tree).__name__}()"
-  children = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: x is not tree)[0]
-  if len(children) == 1 and children[0][0] == ():
-    return "array"
-  keys = [_key(path[0]) for path, _ in children]
-  if depth <= 0:
-    parts = keys
-  elif isinstance(tree, dict):
-    parts = [f"{k}: {_outline(c, depth - 1)}"
-             for k, (_, c) in zip(keys, children)]
-  else:
-    parts = [_outline(c, depth - 1) for _, c in children]
-  inner = ", ".join(parts)
-  if type(tree) in (tuple, list):
-    return f"({inner})" if type(tree) is tuple else f"[{inner}]"
-  if isinstance(tree, dict):
-    return "{" + inner + "}"
-  return f"{type(tree).__name__}({inner})"
-
-
-# ------------------------------------------------------- files and threads
-
-# Orbax's commit marker in a step directory (orbax >= 0.11.1 writes it for
-# every checkpoint; earlier versions only on file systems without rename).
-_COMMIT_FILE = "commit_success.txt"
-
-
-def _commit_time(path: epath.Path) -> bool:
-  """Whether orbax's step metadata records a commit (it is written when a
-  checkpoint is finalized, just before the rename that commits it)."""
-  try:
-    meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
-  except (OSError, ValueError):
-    return False
-  return bool(isinstance(meta, dict) and meta.get("commit_timestamp_nsecs"))
-
-
-def _check_usable(directory: str) -> None:
-  """Raises an OSError naming the fix unless ``directory`` is, or can be
-  made, a directory this process can write into.
-
-  The test writes: permission bits say nothing for root, a read-only mount
-  or a full quota.
-  """
-  path = os.path.abspath(directory)
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise NotADirectoryError(
-        errno.ENOTDIR, f"the checkpoint directory {directory!r} exists and "
-        "is not a directory; pass a directory (it is created if missing) or "
-        "move the file away")
-  try:
-    os.makedirs(path, exist_ok=True)
-    os.rmdir(tempfile.mkdtemp(prefix=".zero_jax-probe-", dir=path))
-  except OSError as e:
-    raise OSError(
-        e.errno, f"the checkpoint directory {directory!r} cannot be written "
-        f"({e.strerror or e}: {e.filename or path}); create it and make it "
-        "writable by this process, or pass another directory") from e
-
-
-def _operation_id() -> str | None:
-  """The id orbax gave its latest save (its threads are tagged with it)."""
-  try:
-    from orbax.checkpoint._src.futures import synchronization  # pylint: disable=g-import-not-at-top
-    return synchronization.OperationIdGenerator.get_current_operation_id()
-  except Exception:  # pylint: disable=broad-except  # (orbax internals)
-    return None
-
-
-def _release_orbax_threads(operation_id: str | None) -> None:
-  """Ends orbax's threads of a failed save that still wait for a signal.
-
-  When the step directory of an asynchronous save cannot be created, the
-  threads that write into it keep waiting for its "created" signal until
-  orbax's coordination timeout (300 s); they are not daemons, so the
-  process cannot exit until then. Cancelled and signalled, they return at
-  once. Best effort: this reaches into orbax's internals, and does nothing
-  where they differ.
-  """
-  if operation_id is None:  # (which threads are the save's is unknown)
-    return
-  try:
-    from orbax.checkpoint._src.futures import future  # pylint: disable=g-import-not-at-top
-    thread_cls = future._SignalingThread  # pylint: disable=protected-access
-  except Exception:  # pylint: disable=broad-except
-    return
-  for t in threading.enumerate():
-    op = getattr(t, "_operation_id", None)
-    if (not isinstance(t, thread_cls) or not t.is_alive() or
-        op != operation_id):
-      continue
-    try:
-      t.cancel()
-      future.set_signals(t._receive_signals, operation_id=op)  # pylint: disable=protected-access
-    except Exception:  # pylint: disable=broad-except
-      pass
-
-
-def _at_thread_shutdown(ckpt: Checkpointer) -> None:
-  """At interpreter exit, before Python joins the threads, waits for the
-  pending save of ``ckpt`` and reports a failure on stderr.
-
-  A program that never calls ``wait`` or ``close`` would otherwise lose a
-  failed save's error, and hang in the join if the failure left orbax's
-  threads waiting.
-  """
-  ref = weakref.ref(ckpt)
-
-  def at_exit() -> None:
-    c = ref()
-    if c is None or c._pending is None:  # pylint: disable=protected-access
-      return
-    try:
-      c._finish()  # pylint: disable=protected-access
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"zero_jax.Checkpointer at exit: {e}", file=sys.stderr,
-            flush=True)
-
-  register = getattr(threading, "_register_atexit", None)  # Python >= 3.9
-  if register is not None:
-    try:
-      register(at_exit)
-    except RuntimeError:  # the interpreter is shutting down already
-      pass
 
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "export_params",

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import numbers
 from typing import Any, Mapping, NoReturn
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -460,10 +461,16 @@ class ZeroConfig:
   @classmethod
   def from_deepspeed(cls, config: Any, *,
                      unsupported: str = "error") -> "ZeroConfig":
-    """Translates a DeepSpeed JSON config (a path or a dict).
+    """Deprecated: use ``zero_jax.from_deepspeed``, which this calls.
 
-    See ``zero_jax.deepspeed.from_deepspeed`` for the keys understood.
+    Kept for one release; warns with a ``DeprecationWarning``.
     """
+    warnings.warn(
+        "ZeroConfig.from_deepspeed is deprecated and will be removed in the "
+        "next release: use zero_jax.from_deepspeed(config) (the same "
+        "function as zero_jax.deepspeed.from_deepspeed)", DeprecationWarning,
+        stacklevel=2)
+    # (Imported here: deepspeed builds ZeroConfigs, config never needs it.)
     from zero_jax import deepspeed  # pylint: disable=g-import-not-at-top
     return deepspeed.from_deepspeed(config, unsupported=unsupported)
 

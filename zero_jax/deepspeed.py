@@ -1,38 +1,19 @@
 """Reads a DeepSpeed JSON config into a ``ZeroConfig``.
 
-``from_deepspeed(path_or_dict)`` translates the parts of a DeepSpeed config
-that zero_jax implements and refuses the rest by name, so that a config
-written for DeepSpeed either means the same thing here or fails loudly::
+``from_deepspeed(path_or_dict)`` (also ``zero_jax.from_deepspeed``)
+translates the parts of a DeepSpeed config that zero_jax implements and
+refuses the rest by name, so that a config written for DeepSpeed either
+means the same thing here or fails loudly::
 
-  cfg = zero_jax.ZeroConfig.from_deepspeed("ds_config.json")
+  cfg = zero_jax.from_deepspeed("ds_config.json")
   engine = zero_jax.Engine(loss_fn, optax.adamw(3e-4), cfg, mesh)
 
-Keys understood (an absent key takes ZeroConfig's default, which is
-DeepSpeed's except where noted; a JSON ``null`` counts as absent)::
-
-  DeepSpeed key                           ZeroConfig field
-  --------------------------------------  ---------------------------
-  train_batch_size                        train_batch_size
-  train_micro_batch_size_per_gpu          micro_batch_size
-  gradient_accumulation_steps             grad_accum_steps
-  gradient_clipping (0: none)             clip_grad_norm
-  fp16.enabled                            compute_dtype="float16"
-  fp16.loss_scale (0: dynamic)            loss_scale
-  fp16.initial_scale_power                initial_scale_power
-  fp16.loss_scale_window                  loss_scale_window
-  fp16.hysteresis                         hysteresis
-  fp16.min_loss_scale                     min_loss_scale
-  fp16.consecutive_hysteresis             consecutive_hysteresis
-  bf16.enabled (old alias: bfloat16)      compute_dtype="bfloat16"
-  communication_data_type                 reduce_dtype
-    ("fp32", "fp16", "bf16")
-  data_types.grad_accum_dtype ("fp32")    (always float32)
-  zero_optimization (absent, false: 0)
-    .stage                                stage
-    .stage3_param_persistence_threshold   min_shard_elements (+ 1)
-    .offload_optimizer.device             offload_optimizer
-    .offload_param.device                 offload_params
-      ("cpu": "host", "none": None)
+The keys understood, and the ``ZeroConfig`` field each sets, are the rows
+of ``MAPPING``, the one table the translation reads;
+``mapping_table_markdown()`` renders it for the docs. An absent key takes
+ZeroConfig's default, which is DeepSpeed's except where noted; a JSON
+``null`` counts as absent. What happens to every other key is in
+``zero_jax.deepspeed_keys``.
 
 Notes on the mapping:
 
@@ -48,16 +29,14 @@ Notes on the mapping:
   ``stage3_param_persistence_threshold`` elements; zero_jax when it has
   *fewer than* ``min_shard_elements``, so the field is the threshold + 1.
   Absent, zero_jax's default (1024) applies, not DeepSpeed's (1e5).
-* ``offload_optimizer.device``: ``"cpu"`` gives ``"host"`` and ``"none"``
-  gives None; ``"nvme"`` is always an error (zero_jax has no disk offload).
-  ``pin_memory``, ``buffer_count``, ``fast_init``, ``pipeline_read``,
-  ``pipeline_write`` and ``nvme_path`` are accepted and have no effect (JAX
-  pins host memory itself); ``ratio`` below 1 warns, as all of the state is
-  offloaded. ``offload_param.device``: ``"cpu"`` gives
-  ``offload_params="host"`` (stage 3 only), ``"nvme"`` is an error.
-* The performance knobs in ``_NO_EFFECT_KEYS`` (bucket sizes, overlap,
-  prefetching, printing...) are accepted with one warning listing them: XLA
-  schedules zero_jax's communication, so they change nothing.
+* Offload: ``"nvme"`` is always an error (zero_jax has no disk offload).
+  ``offload_optimizer``'s ``pin_memory``, ``buffer_count``, ``fast_init``,
+  ``pipeline_read``, ``pipeline_write`` and ``nvme_path`` are accepted and
+  have no effect (JAX pins host memory itself); ``ratio`` below 1 warns, as
+  all of the state is offloaded.
+* The performance knobs in ``deepspeed_keys.NO_EFFECT_KEYS`` (bucket sizes,
+  overlap, prefetching, printing...) are accepted with one warning listing
+  them: XLA schedules zero_jax's communication, so they change nothing.
 * Everything else (``optimizer``, ``scheduler``, ``activation_checkpointing``,
   ``amp``, monitoring, ``pipeline``, ``moe``, unknown keys...) is refused with
   a ``ValueError`` naming the dotted key and what to do instead; with
@@ -69,274 +48,137 @@ Notes on the mapping:
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import re
-import sys
 from typing import Any, Callable, Mapping
-import warnings
 
 from zero_jax.config import ZeroConfig
+from zero_jax.deepspeed_keys import (ANY, DEFAULT_ONLY, DTYPES,
+                                     NO_EFFECT_KEYS, UNKNOWN,
+                                     UNSUPPORTED_WHY, as_bool, as_count,
+                                     as_float, as_int, as_number, as_size,
+                                     as_str, is_auto, load_config, warn)
 
 _MODES = ("error", "warn")
-_ANY = object()  # a key of _NO_EFFECT_KEYS that accepts any valid value
 
 
-def _bool(path: str, value: Any) -> bool:
-  if not isinstance(value, bool):
-    raise ValueError(f"DeepSpeed config key {path!r} must be true or false, "
-                     f"got {value!r}")
-  return value
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedKey:
+  """One row of the DeepSpeed to ZeroConfig map.
+
+  Attributes:
+    key: the dotted DeepSpeed key.
+    field: the ``ZeroConfig`` field it sets ("" for none).
+    read: ``(key, value) -> field value`` for a present, non-null value:
+      checks it (the error names the key) and converts it. None where the
+      translator reads the key itself (a switch, an offload device).
+    note: how the value maps, for the docs ("" when it is copied).
+  """
+
+  key: str
+  field: str
+  read: Callable[[str, Any], Any] | None = None
+  note: str = ""
+
+  @property
+  def prefix(self) -> str:
+    """The key's section, dotted, with a trailing dot ("" at the top)."""
+    section = self.key.rpartition(".")[0]
+    return section + "." if section else ""
+
+  @property
+  def leaf(self) -> str:
+    """The key's last part, its name in its section."""
+    return self.key.rpartition(".")[2]
 
 
-def _int(path: str, value: Any, *, minimum: int,
-         allow_float: bool = False) -> int:
-  """An integer >= minimum; integral floats too where JSON writes 5e8."""
-  if (allow_float and isinstance(value, float) and value.is_integer()):
-    value = int(value)
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(f"DeepSpeed config key {path!r} must be an integer >= "
-                     f"{minimum}, got {value!r}")
-  return value
+def _clip(key: str, value: Any) -> float | None:
+  value = as_number(key, value, minimum=0.0)
+  return float(value) if value > 0 else None
 
 
-def _number(path: str, value: Any, *, minimum: float,
-            strict: bool = False) -> float:
-  """A number >= minimum (> minimum when strict)."""
-  if (isinstance(value, bool) or not isinstance(value, (int, float))
-      or value != value or value < minimum or (strict and value == minimum)):
-    raise ValueError(f"DeepSpeed config key {path!r} must be a number "
-                     f"{'>' if strict else '>='} {minimum}, got {value!r}")
-  return value
+def _reduce_dtype(key: str, value: Any) -> str:
+  name = as_str(key, value).strip().lower()
+  if name not in DTYPES:
+    raise ValueError(f"DeepSpeed config key {key!r} must be one of "
+                     f"{sorted(set(DTYPES))}, got {value!r}")
+  return DTYPES[name]
 
 
-def _size(path: str, value: Any) -> int:
-  return _int(path, value, minimum=0, allow_float=True)
+def _stage(key: str, value: Any) -> int:
+  stage = as_int(key, value, minimum=0)
+  if stage > 3:
+    raise ValueError(f"DeepSpeed config key {key!r} must be 0, 1, 2 or 3, "
+                     f"got {stage}")
+  return stage
 
 
-def _count(path: str, value: Any) -> int:
-  return _int(path, value, minimum=1)
+def _persistence(key: str, value: Any) -> int:
+  # DeepSpeed keeps leaves with <= threshold elements whole; zero_jax
+  # those with < min_shard_elements.
+  return as_size(key, value) + 1
 
 
-def _float(path: str, value: Any) -> float:
-  return _number(path, value, minimum=0.0, strict=True)
+_FP16 = "read only with fp16.enabled"
+_DEVICE = "\"cpu\": \"host\", \"none\": None; \"nvme\" is an error"
+
+# The DeepSpeed keys zero_jax translates, in the order it reads them.
+MAPPING: tuple[DeepSpeedKey, ...] = (
+    DeepSpeedKey("train_batch_size", "train_batch_size", as_count),
+    DeepSpeedKey("train_micro_batch_size_per_gpu", "micro_batch_size",
+                 as_count),
+    DeepSpeedKey("gradient_accumulation_steps", "grad_accum_steps",
+                 as_count),
+    DeepSpeedKey("gradient_clipping", "clip_grad_norm", _clip, "0: none"),
+    DeepSpeedKey("communication_data_type", "reduce_dtype", _reduce_dtype,
+                 "\"fp32\", \"fp16\", \"bf16\" (absent: float32)"),
+    DeepSpeedKey("fp16.enabled", "compute_dtype", None, "true: \"float16\""),
+    DeepSpeedKey("fp16.loss_scale", "loss_scale",
+                 lambda k, v: float(as_number(k, v, minimum=0.0)),
+                 f"0: dynamic; {_FP16}"),
+    DeepSpeedKey("fp16.initial_scale_power", "initial_scale_power",
+                 lambda k, v: as_int(k, v, minimum=0), _FP16),
+    DeepSpeedKey("fp16.loss_scale_window", "loss_scale_window", as_count,
+                 _FP16),
+    DeepSpeedKey("fp16.hysteresis", "hysteresis", as_count, _FP16),
+    DeepSpeedKey("fp16.min_loss_scale", "min_loss_scale",
+                 lambda k, v: float(as_float(k, v)), _FP16),
+    DeepSpeedKey("fp16.consecutive_hysteresis", "consecutive_hysteresis",
+                 as_bool, _FP16),
+    DeepSpeedKey("bf16.enabled", "compute_dtype", None,
+                 "true: \"bfloat16\" (old alias: bfloat16.enabled)"),
+    DeepSpeedKey("data_types.grad_accum_dtype", "", None,
+                 "\"fp32\" only: gradients accumulate in float32"),
+    DeepSpeedKey("zero_optimization.stage", "stage", _stage,
+                 "zero_optimization absent or false: 0"),
+    DeepSpeedKey("zero_optimization.stage3_param_persistence_threshold",
+                 "min_shard_elements", _persistence,
+                 "the threshold + 1 (absent: 1024)"),
+    DeepSpeedKey("zero_optimization.offload_optimizer.device",
+                 "offload_optimizer", None, _DEVICE),
+    DeepSpeedKey("zero_optimization.offload_param.device", "offload_params",
+                 None, _DEVICE + "; stage 3 only"),
+)
+_ROWS = {row.key: row for row in MAPPING}
 
 
-def _str(path: str, value: Any) -> str:
-  if not isinstance(value, str):
-    raise ValueError(f"DeepSpeed config key {path!r} must be a string, got "
-                     f"{value!r}")
-  return value
+def mapping_table_markdown() -> str:
+  """The DeepSpeed to ZeroConfig key map as a Markdown table, for the docs.
 
+  Rendered from ``MAPPING``, the table ``from_deepspeed`` translates by, so
+  docs made from it say what the code does.
 
-# Keys that change only how DeepSpeed schedules its communication, or what
-# it prints: XLA's scheduler decides that for zero_jax, and results do not
-# depend on them. Accepted (with a type check) and reported in one warning.
-# Value: (validator, the only accepted value or _ANY).
-_NO_EFFECT_KEYS: Mapping[str, tuple[Callable[[str, Any], Any], Any]] = {
-    "zero_optimization.overlap_comm": (_bool, _ANY),
-    "zero_optimization.contiguous_gradients": (_bool, _ANY),
-    "zero_optimization.reduce_scatter": (_bool, _ANY),
-    "zero_optimization.allgather_partitions": (_bool, _ANY),
-    "zero_optimization.reduce_bucket_size": (_size, _ANY),
-    "zero_optimization.allgather_bucket_size": (_size, _ANY),
-    "zero_optimization.use_multi_rank_bucket_allreduce": (_bool, _ANY),
-    "zero_optimization.stage3_prefetch_bucket_size": (_size, _ANY),
-    "zero_optimization.stage3_max_live_parameters": (_size, _ANY),
-    "zero_optimization.stage3_max_reuse_distance": (_size, _ANY),
-    "zero_optimization.stage3_use_all_reduce_for_fetch_params": (_bool, _ANY),
-    "zero_optimization.stage3_module_granularity_threshold": (_size, _ANY),
-    "zero_optimization.sub_group_size": (_size, _ANY),
-    "zero_optimization.round_robin_gradients": (_bool, _ANY),
-    "zero_optimization.memory_efficient_linear": (_bool, _ANY),
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save":
-        (_bool, _ANY),
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save":
-        (_bool, _ANY),
-    "zero_optimization.elastic_checkpoint": (_bool, _ANY),
-    "zero_optimization.load_from_fp32_weights": (_bool, _ANY),
-    "steps_per_print": (_size, _ANY),
-    "wall_clock_breakdown": (_bool, _ANY),
-    "zero_allow_untested_optimizer": (_bool, _ANY),
-    "zero_force_ds_cpu_optimizer": (_bool, _ANY),
-    "dump_state": (_bool, _ANY),
-    "prescale_gradients": (_bool, False),
-    "gradient_predivide_factor": (_float, 1.0),
-}
-
-_NOT_IMPLEMENTED = "a DeepSpeed feature that zero_jax does not implement"
-_DEPRECATED_PARAM_OFFLOAD = (
-    "deprecated in DeepSpeed: write offload_param: {\"device\": \"cpu\"}")
-_ZERO_PP = ("ZeRO++ (quantized or hierarchical communication) is not "
-            "implemented in zero_jax")
-_MONITOR = ("zero_jax does not log: log the metrics returned by Engine.step "
-            "(loss, grad_norm, ...) with your own logger")
-_PREDIVIDE = (
-    "zero_jax sums gradients in reduce_dtype (float32 unless "
-    "communication_data_type says otherwise) and divides once; "
-    "pre-division is not implemented")
-
-# Keys DeepSpeed knows that zero_jax does not honour, with why and what to do.
-_UNSUPPORTED_WHY: Mapping[str, str] = {
-    "optimizer": (
-        "zero_jax does not build optimizers: build the optimizer with optax "
-        "(e.g. optax.adamw(learning_rate, b1, b2, eps, weight_decay)) and "
-        "pass it to Engine as tx"),
-    "scheduler": (
-        "zero_jax does not build learning-rate schedules: build one with "
-        "optax (e.g. optax.warmup_cosine_decay_schedule) and pass it as the "
-        "learning_rate of the optax optimizer given to Engine"),
-    "amp": "NVIDIA Apex AMP is PyTorch-only; use bf16.enabled or fp16.enabled",
-    "activation_checkpointing": (
-        "rematerialization is ZeroConfig.remat (applied per layer by "
-        "zero_jax.scan_layers); set it on the result with "
-        "dataclasses.replace(config, remat=...)"),
-    "tensorboard": _MONITOR,
-    "wandb": _MONITOR,
-    "csv_monitor": _MONITOR,
-    "comet": _MONITOR,
-    "comms_logger": _MONITOR,
-    "flops_profiler": (
-        "use jax.profiler, or cost_analysis() of the lowered step "
-        "(engine.step.lower(state, batch).compile())"),
-    "pipeline": "pipeline parallelism is not implemented in zero_jax",
-    "moe": "mixture-of-experts parallelism is not implemented in zero_jax",
-    "sparse_attention": _NOT_IMPLEMENTED,
-    "sparse_gradients": _NOT_IMPLEMENTED,
-    "compression_training": _NOT_IMPLEMENTED,
-    "quantize_training": _NOT_IMPLEMENTED,
-    "elasticity": _NOT_IMPLEMENTED,
-    "autotuning": _NOT_IMPLEMENTED,
-    "data_efficiency": _NOT_IMPLEMENTED,
-    "curriculum_learning": _NOT_IMPLEMENTED,
-    "progressive_layer_drop": _NOT_IMPLEMENTED,
-    "eigenvalue": _NOT_IMPLEMENTED,
-    "hybrid_engine": _NOT_IMPLEMENTED,
-    "compile": "zero_jax's step is always compiled by XLA (jax.jit)",
-    "checkpoint": ("zero_jax does not write checkpoints itself: save the "
-                   "TrainState with orbax"),
-    "nebula": ("zero_jax does not write checkpoints itself: save the "
-               "TrainState with orbax"),
-    "aio": "disk (NVMe) offload does not exist in zero_jax",
-    "dataloader_drop_last": "zero_jax does not build data loaders",
-    "memory_breakdown": "use zero_jax.estimate_memory or jax's memory stats",
-    "disable_allgather": _NOT_IMPLEMENTED,
-    "prescale_gradients": _PREDIVIDE,
-    "gradient_predivide_factor": _PREDIVIDE,
-    "fp16.auto_cast": (
-        "zero_jax casts the parameters, not the batch: cast floating inputs "
-        "to float16 inside loss_fn"),
-    "fp16.fp16_master_weights_and_grads": (
-        "master weights and gradients stay float32 in zero_jax"),
-    "data_types.grad_accum_dtype": (
-        "zero_jax accumulates gradients in float32; write \"fp32\""),
-    "zero_optimization.cpu_offload": (
-        "deprecated in DeepSpeed: write offload_optimizer: {\"device\": "
-        "\"cpu\"}"),
-    "zero_optimization.cpu_offload_param": _DEPRECATED_PARAM_OFFLOAD,
-    "zero_optimization.cpu_offload_use_pin_memory": (
-        "deprecated in DeepSpeed: write offload_optimizer.pin_memory"),
-    "zero_optimization.stage3_model_persistence_threshold": (
-        "zero_jax has no cap on the total size of replicated parameters: "
-        "stage3_param_persistence_threshold (min_shard_elements) alone "
-        "decides; Engine.describe() lists every replicated leaf"),
-    "zero_optimization.zero_quantized_weights": _ZERO_PP,
-    "zero_optimization.zero_quantized_nontrainable_weights": _ZERO_PP,
-    "zero_optimization.zero_quantized_gradients": _ZERO_PP,
-    "zero_optimization.zero_hpz_partition_size": _ZERO_PP,
-    "zero_optimization.zeropp_loco_param": _ZERO_PP,
-    "zero_optimization.mics_shard_size": (
-        "MiCS is not implemented as such: make_mesh(replica=R) shards the "
-        "state inside groups of devices // R and replicates it across them"),
-    "zero_optimization.mics_hierarchical_params_gather": _NOT_IMPLEMENTED,
-    "zero_optimization.ignore_unused_parameters": (
-        "zero_jax gives unused parameters zero gradients and never checks "
-        "for them (DeepSpeed's default, true)"),
-    "zero_optimization.legacy_stage1": _NOT_IMPLEMENTED,
-}
-
-# Keys that are harmless at DeepSpeed's default (writing the default out is
-# common); any other value is unsupported, for the reason above.
-_DEFAULT_ONLY: Mapping[str, Any] = {
-    "fp16.auto_cast": False,
-    "fp16.fp16_master_weights_and_grads": False,
-    "zero_optimization.cpu_offload": False,
-    "zero_optimization.cpu_offload_param": False,
-    "zero_optimization.zero_quantized_weights": False,
-    "zero_optimization.zero_quantized_nontrainable_weights": False,
-    "zero_optimization.zero_quantized_gradients": False,
-    "zero_optimization.zero_hpz_partition_size": 1,
-    "zero_optimization.mics_shard_size": -1,
-    "zero_optimization.mics_hierarchical_params_gather": False,
-    "zero_optimization.ignore_unused_parameters": True,
-    "zero_optimization.legacy_stage1": False,
-}
-
-_UNKNOWN = ("not a DeepSpeed key that zero_jax knows (check the spelling "
-            "against DeepSpeed's config documentation)")
-
-_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16",
-           "float16": "float16", "half": "float16", "bf16": "bfloat16",
-           "bfloat16": "bfloat16"}
-
-# ZeroConfig field -> the DeepSpeed key it came from, for ZeroConfig's errors.
-_FIELD_SOURCES = {
-    "train_batch_size": "train_batch_size",
-    "micro_batch_size": "train_micro_batch_size_per_gpu",
-    "grad_accum_steps": "gradient_accumulation_steps",
-    "clip_grad_norm": "gradient_clipping",
-    "loss_scale": "fp16.loss_scale",
-    "initial_scale_power": "fp16.initial_scale_power",
-    "loss_scale_window": "fp16.loss_scale_window",
-    "hysteresis": "fp16.hysteresis",
-    "min_loss_scale": "fp16.min_loss_scale",
-    "reduce_dtype": "communication_data_type",
-    "min_shard_elements":
-        "zero_optimization.stage3_param_persistence_threshold",
-}
-
-
-def _load(config: Any) -> tuple[Mapping[str, Any], str | None]:
-  """The config as a mapping, and the path it was read from (if any)."""
-  if isinstance(config, Mapping):
-    return config, None
-  if not isinstance(config, (str, os.PathLike)):
-    raise TypeError("from_deepspeed takes a path to a DeepSpeed JSON file or "
-                    f"a dict, got {type(config).__name__}")
-  path = os.fspath(config)
-  try:
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
-  except FileNotFoundError:
-    hint = ("; to read a JSON string, pass json.loads(s)"
-            if str(path).lstrip().startswith("{") else "")
-    raise FileNotFoundError(
-        f"DeepSpeed config file {path!r} does not exist{hint}") from None
-  except OSError as e:
-    raise OSError(f"cannot read DeepSpeed config file {path!r}: {e}") from e
-  try:
-    data = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise ValueError(
-        f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
-  if not isinstance(data, dict):
-    raise ValueError(f"DeepSpeed config file {path!r} must hold a JSON "
-                     f"object, got {type(data).__name__}")
-  return data, path
-
-
-def _warn(message: str) -> None:
-  """Warns at the first frame outside zero_jax (the user's call)."""
-  package = os.path.dirname(os.path.abspath(__file__))
-  level, frame = 1, sys._getframe(0)  # pylint: disable=protected-access
-  while frame is not None and os.path.abspath(
-      frame.f_code.co_filename).startswith(package + os.sep):
-    frame, level = frame.f_back, level + 1
-  warnings.warn(message, UserWarning, stacklevel=level)
-
-
-def _is_auto(value: Any) -> bool:
-  return isinstance(value, str) and value.strip().lower() == "auto"
+  Returns:
+    The table (a header, a separator and one line per key), ending in a
+    newline.
+  """
+  lines = ["| DeepSpeed key | ZeroConfig field | value |",
+           "| --- | --- | --- |"]
+  for row in MAPPING:
+    field = f"`{row.field}`" if row.field else "(none)"
+    lines.append(f"| `{row.key}` | {field} | {row.note or 'copied'} |")
+  return "\n".join(lines) + "\n"
 
 
 class _Translator:
@@ -348,13 +190,16 @@ class _Translator:
     self.problems: list[tuple[str, str]] = []  # (dotted key, why)
     self.notes: list[str] = []  # warnings about accepted keys
     self.no_effect: list[str] = []
+    # ZeroConfig field -> the DeepSpeed key that gave it, for ZeroConfig's
+    # errors.
+    self.sources: dict[str, str] = {}
 
   # Reading one key.
 
   def get(self, section: Mapping[str, Any], key: str, prefix: str) -> Any:
     """The value of ``key`` (None when absent or null); rejects "auto"."""
     value = section.get(key)
-    if _is_auto(value):
+    if is_auto(value):
       raise ValueError(
           f"DeepSpeed config key {prefix + key!r} is \"auto\": replace 'auto' "
           "with a number (or true/false): HuggingFace Trainer fills these "
@@ -371,8 +216,19 @@ class _Translator:
                        f"object ({{...}}), got {value!r}")
     return value
 
+  def mapped(self, section: Mapping[str, Any], prefix: str) -> set[str]:
+    """Translates the keys of ``MAPPING`` directly under ``prefix`` that
+    have a ``read``; returns the names of all its keys there (handled)."""
+    rows = [row for row in MAPPING if row.prefix == prefix]
+    for row in rows:
+      value = self.get(section, row.leaf, prefix)
+      if row.read is not None and value is not None:
+        self.kwargs[row.field] = row.read(row.key, value)
+        self.sources[row.field] = row.key
+    return {row.leaf for row in rows}
+
   def unsupported(self, path: str) -> None:
-    self.problems.append((path, _UNSUPPORTED_WHY.get(path, _UNKNOWN)))
+    self.problems.append((path, UNSUPPORTED_WHY.get(path, UNKNOWN)))
 
   def rest(self, section: Mapping[str, Any], prefix: str,
            handled: set[str]) -> None:
@@ -381,20 +237,20 @@ class _Translator:
       if key in handled:
         continue
       path = f"{prefix}{key}"
-      if path in _NO_EFFECT_KEYS:
+      if path in NO_EFFECT_KEYS:
         value = self.get(section, key, prefix)
         if value is None:
           continue
-        check, only = _NO_EFFECT_KEYS[path]
+        check, only = NO_EFFECT_KEYS[path]
         value = check(path, value)
-        if only is _ANY or value == only:
+        if only is ANY or value == only:
           self.no_effect.append(path)
         else:
           self.unsupported(path)
-      elif path in _DEFAULT_ONLY:
+      elif path in DEFAULT_ONLY:
         value = section[key]
-        if value is not None and (type(value) is not type(_DEFAULT_ONLY[path])
-                                  or value != _DEFAULT_ONLY[path]):
+        if value is not None and (type(value) is not type(DEFAULT_ONLY[path])
+                                  or value != DEFAULT_ONLY[path]):
           self.unsupported(path)
       else:
         self.unsupported(path)
@@ -402,93 +258,52 @@ class _Translator:
   # Sections.
 
   def top(self, config: Mapping[str, Any]) -> None:
-    handled = {"train_batch_size", "train_micro_batch_size_per_gpu",
-               "gradient_accumulation_steps", "gradient_clipping", "fp16",
-               "bf16", "bfloat16", "communication_data_type", "data_types",
-               "zero_optimization"}
-    for key, field in (("train_batch_size", "train_batch_size"),
-                       ("train_micro_batch_size_per_gpu", "micro_batch_size"),
-                       ("gradient_accumulation_steps", "grad_accum_steps")):
-      value = self.get(config, key, "")
-      if value is not None:
-        self.kwargs[field] = _count(key, value)
-    clip = self.get(config, "gradient_clipping", "")
-    if clip is not None:
-      clip = _number("gradient_clipping", clip, minimum=0.0)
-      self.kwargs["clip_grad_norm"] = float(clip) if clip > 0 else None
+    handled = self.mapped(config, "") | {
+        "fp16", "bf16", "bfloat16", "data_types", "zero_optimization"}
     self.precision(config)
-    comm = self.get(config, "communication_data_type", "")
-    if comm is not None:
-      name = _str("communication_data_type", comm).strip().lower()
-      if name not in _DTYPES:
-        raise ValueError(
-            "DeepSpeed config key 'communication_data_type' must be one of "
-            f"{sorted(set(_DTYPES))}, got {comm!r}")
-      self.kwargs["reduce_dtype"] = _DTYPES[name]
     self.data_types(self.section(config, "data_types", ""))
     self.zero(config)
     self.rest(config, "", handled)
 
   def precision(self, config: Mapping[str, Any]) -> None:
     fp16 = self.section(config, "fp16", "")
-    fp16_on = fp16.get("enabled") is not None and _bool(
+    fp16_on = fp16.get("enabled") is not None and as_bool(
         "fp16.enabled", self.get(fp16, "enabled", "fp16."))
     if "bf16" in config and "bfloat16" in config:
       raise ValueError("the DeepSpeed config has both 'bf16' and its old "
                        "alias 'bfloat16'; keep only 'bf16'")
     bf16_key = "bfloat16" if "bfloat16" in config else "bf16"
     bf16 = self.section(config, bf16_key, "")
-    bf16_on = bf16.get("enabled") is not None and _bool(
+    bf16_on = bf16.get("enabled") is not None and as_bool(
         f"{bf16_key}.enabled", self.get(bf16, "enabled", f"{bf16_key}."))
     if fp16_on and bf16_on:
       raise ValueError(
           f"the DeepSpeed config enables both fp16 and {bf16_key}; enable "
           "one (bf16 needs no loss scaling)")
     self.rest(bf16, f"{bf16_key}.", {"enabled"})
-    fp16_keys = {"loss_scale", "initial_scale_power", "loss_scale_window",
-                 "hysteresis", "min_loss_scale", "consecutive_hysteresis"}
     if bf16_on:
-      self.kwargs["compute_dtype"] = "bfloat16"
+      self.kwargs[_ROWS["bf16.enabled"].field] = "bfloat16"
     if not fp16_on:
       # DeepSpeed ignores the other fp16 keys when fp16 is off; so do we
       # (but still flags keys it does not know, most likely typos).
-      known = fp16_keys | {"enabled"} | {
-          k.split(".", 1)[1] for k in _UNSUPPORTED_WHY if
-          k.startswith("fp16.")}
-      self.rest(fp16, "fp16.", known)
+      known = {row.leaf for row in MAPPING if row.prefix == "fp16."}
+      self.rest(fp16, "fp16.", known | {
+          k.split(".", 1)[1] for k in UNSUPPORTED_WHY if
+          k.startswith("fp16.")})
       return
-    self.kwargs["compute_dtype"] = "float16"
+    self.kwargs[_ROWS["fp16.enabled"].field] = "float16"
     p = "fp16."
-    value = self.get(fp16, "loss_scale", p)
-    if value is not None:
-      self.kwargs["loss_scale"] = float(
-          _number(p + "loss_scale", value, minimum=0.0))
-    value = self.get(fp16, "initial_scale_power", p)
-    if value is not None:
-      self.kwargs["initial_scale_power"] = _int(
-          p + "initial_scale_power", value, minimum=0)
-    for key in ("loss_scale_window", "hysteresis"):
-      value = self.get(fp16, key, p)
-      if value is not None:
-        self.kwargs[key] = _count(p + key, value)
-    value = self.get(fp16, "min_loss_scale", p)
-    if value is not None:
-      self.kwargs["min_loss_scale"] = float(
-          _float(p + "min_loss_scale", value))
-    value = self.get(fp16, "consecutive_hysteresis", p)
-    if value is not None:
-      self.kwargs["consecutive_hysteresis"] = _bool(
-          p + "consecutive_hysteresis", value)
+    handled = self.mapped(fp16, p)
     value = self.get(fp16, "auto_cast", p)
     if value is not None:
-      _bool(p + "auto_cast", value)
-    self.rest(fp16, p, fp16_keys | {"enabled"})
+      as_bool(p + "auto_cast", value)
+    self.rest(fp16, p, handled)
 
   def data_types(self, section: Mapping[str, Any]) -> None:
     value = self.get(section, "grad_accum_dtype", "data_types.")
     if value is not None:
-      name = _str("data_types.grad_accum_dtype", value).strip().lower()
-      if _DTYPES.get(name) != "float32":
+      name = as_str("data_types.grad_accum_dtype", value).strip().lower()
+      if DTYPES.get(name) != "float32":
         self.unsupported("data_types.grad_accum_dtype")
     self.rest(section, "data_types.", {"grad_accum_dtype"})
 
@@ -505,29 +320,18 @@ class _Translator:
       return
     zero = self.section(config, "zero_optimization", "")
     p = "zero_optimization."
-    stage = self.get(zero, "stage", p)
-    stage = 0 if stage is None else _int(p + "stage", stage, minimum=0)
-    if stage > 3:
-      raise ValueError(f"DeepSpeed config key 'zero_optimization.stage' must "
-                       f"be 0, 1, 2 or 3, got {stage}")
-    self.kwargs["stage"] = stage
-    value = self.get(zero, "stage3_param_persistence_threshold", p)
-    if value is not None:
-      # DeepSpeed keeps leaves with <= threshold elements whole; zero_jax
-      # those with < min_shard_elements.
-      self.kwargs["min_shard_elements"] = _size(
-          p + "stage3_param_persistence_threshold", value) + 1
+    self.kwargs["stage"] = 0  # (absent: 0, not ZeroConfig's default)
+    handled = self.mapped(zero, p)
     self.offload_optimizer(self.section(zero, "offload_optimizer", p))
     self.offload_param(self.section(zero, "offload_param", p))
-    self.rest(zero, p, {"stage", "stage3_param_persistence_threshold",
-                        "offload_optimizer", "offload_param"})
+    self.rest(zero, p, handled | {"offload_optimizer", "offload_param"})
 
-  def offload_device(self, section: Mapping[str, Any], p: str, field: str,
+  def offload_device(self, section: Mapping[str, Any], p: str,
                      what: str) -> str:
     """Reads ``device`` ("none" or "cpu"; "nvme" is always an error) and
-    sets ``field`` to "host" for "cpu"."""
+    sets its ``MAPPING`` field to "host" for "cpu"."""
     device = self.get(section, "device", p)
-    device = "none" if device is None else _str(
+    device = "none" if device is None else as_str(
         p + "device", device).strip().lower()
     if device == "nvme":
       raise ValueError(
@@ -538,23 +342,22 @@ class _Translator:
       raise ValueError(f"DeepSpeed config key '{p}device' must be \"cpu\" "
                        f"or \"none\", got {device!r}")
     if device == "cpu":
-      self.kwargs[field] = "host"
+      self.kwargs[_ROWS[p + "device"].field] = "host"
     return device
 
   def offload_optimizer(self, section: Mapping[str, Any]) -> None:
     p = "zero_optimization.offload_optimizer."
-    device = self.offload_device(section, p, "offload_optimizer",
-                                 "optimizer state")
-    checks = {"pin_memory": _bool, "fast_init": _bool, "pipeline_read": _bool,
-              "pipeline_write": _bool, "buffer_count": _size,
-              "nvme_path": _str}
+    device = self.offload_device(section, p, "optimizer state")
+    checks = {"pin_memory": as_bool, "fast_init": as_bool,
+              "pipeline_read": as_bool, "pipeline_write": as_bool,
+              "buffer_count": as_size, "nvme_path": as_str}
     for key, check in checks.items():
       value = self.get(section, key, p)
       if value is not None:
         check(p + key, value)
     ratio = self.get(section, "ratio", p)
     if ratio is not None:
-      ratio = _number(p + "ratio", ratio, minimum=0.0)
+      ratio = as_number(p + "ratio", ratio, minimum=0.0)
       if ratio > 1:
         raise ValueError(f"DeepSpeed config key '{p}ratio' must be in [0, 1]"
                          f", got {ratio!r}")
@@ -566,7 +369,7 @@ class _Translator:
 
   def offload_param(self, section: Mapping[str, Any]) -> None:
     p = "zero_optimization.offload_param."
-    self.offload_device(section, p, "offload_params", "parameters")
+    self.offload_device(section, p, "parameters")
     self.rest(section, p, {"device", "nvme_path", "pin_memory", "buffer_count",
                            "buffer_size", "max_in_cpu"})
 
@@ -583,12 +386,12 @@ class _Translator:
           f"Remove {'them' if many else 'it'}, or pass unsupported='warn' to "
           f"drop {'them' if many else 'it'} with a warning.")
     for path, why in self.problems:
-      _warn(f"DeepSpeed config key {path!r} is not supported by zero_jax and "
-            f"was dropped: {why}")
+      warn(f"DeepSpeed config key {path!r} is not supported by zero_jax and "
+           f"was dropped: {why}")
     for note in self.notes:
-      _warn(f"DeepSpeed config{source}: {note}")
+      warn(f"DeepSpeed config{source}: {note}")
     if self.no_effect:
-      _warn(
+      warn(
           f"DeepSpeed config{source}: {', '.join(self.no_effect)} ha"
           f"{'ve' if len(self.no_effect) > 1 else 's'} no effect in zero_jax: "
           "XLA schedules its communication (bucketing, overlap, "
@@ -600,7 +403,8 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
                    unsupported: str = "error") -> ZeroConfig:
   """Translates a DeepSpeed JSON config into a ``ZeroConfig``.
 
-  See the module docstring for the keys understood and how they map.
+  ``MAPPING`` lists the keys translated and how (``mapping_table_markdown``
+  renders it); the module docstring says what happens to the others.
 
   Args:
     config: path to a DeepSpeed JSON file, or the already-parsed dict.
@@ -623,7 +427,7 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
   if unsupported not in _MODES:
     raise ValueError(f"unsupported must be one of {_MODES}, got "
                      f"{unsupported!r}")
-  data, path = _load(config)
+  data, path = load_config(config)
   source = f" {path!r}" if path is not None else ""
   translator = _Translator(unsupported)
   try:
@@ -633,13 +437,17 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
       raise
     raise ValueError(f"{e} (in {path!r})") from None
   translator.finish(source)
-  kwargs = translator.kwargs
   try:
-    return ZeroConfig(**kwargs)
+    return ZeroConfig(**translator.kwargs)
   except ValueError as e:
-    sources = [f"{field} is {key!r}" for field, key in _FIELD_SOURCES.items()
-               if field in kwargs and re.search(rf"\b{field}\b", str(e))]
+    sources = [f"{field} is {key!r}" for field, key in
+               translator.sources.items()
+               if re.search(rf"\b{field}\b", str(e))]
     raise ValueError(
         f"DeepSpeed config{source} gives an invalid ZeroConfig: {e}" +
         (f" (in DeepSpeed's terms: {'; '.join(sources)})" if sources else "")
     ) from None
+
+
+__all__ = ["DeepSpeedKey", "MAPPING", "from_deepspeed",
+           "mapping_table_markdown"]

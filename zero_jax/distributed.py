@@ -19,53 +19,25 @@ environment set by ``python -m zero_jax.launch``; a cluster JAX detects
 With none of these it does nothing, so the same script runs as a plain
 single process.
 
-Failures. In a multi-process run a process that dies must not leave the
-others hanging in a collective. JAX's coordination service covers part of
-it: a process whose coordinator (process 0) dies aborts at once, and the
-coordinator aborts everyone ``heartbeat_timeout_seconds`` after any other
-process stops sending heartbeats. ``initialize`` adds what it misses (with
-``fail_fast=True``): a process that ends with an uncaught exception exits at
-once (JAX would first wait in its shutdown barrier for the others, until
-their heartbeats time out or, if they are alive but stuck in a collective,
-for the 300 s shutdown timeout) and tells the others, which exit within a
-second with the same exit code and a message naming the failed process and
-its error. A ``SystemExit`` with a non-zero code in the main thread counts
-as a failure with that exit code (code 0 does not: that process waits in
-JAX's shutdown barrier for the others, as without ``fail_fast``). Calls of
-``sys.exit(n)``, ``exit(n)`` and ``quit(n)`` are seen everywhere; a bare
-``raise SystemExit(n)`` only under ``python -m zero_jax.launch``, which runs
-the script through a wrapper that catches it (elsewhere it exits through
-JAX's barrier). A ``SystemExit`` that the script catches and swallows still
-counts, unless ``step_done()`` is called after it (training went on). A
-process killed by a signal is for the launcher (or JAX's heartbeats) to
-notice.
-
-Hangs. Under ``python -m zero_jax.launch --watchdog SECONDS`` every process
-reports its training steps through ``step_done()`` (``Engine.step`` calls
-it), which touches a per-process file the launcher watches (at most once a
-second; without the launcher's variable it does nothing). Importing this
-module there also registers ``faulthandler`` on SIGUSR1, so that the
-launcher can print a stuck process's Python stack.
+Failures and hangs (a process that fails or stops making steps must not
+leave the others waiting in a collective): see ``zero_jax.failfast``;
+``step_done`` is re-exported here.
 """
 
 from __future__ import annotations
 
-import atexit
-import builtins
 import dataclasses
-import faulthandler
 import math
 import os
-import signal
-import sys
-import threading
-import time
 from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zero_jax import failfast as _failfast
+from zero_jax.failfast import (ENV_HEARTBEAT_FILE, STACK_DUMP_SIGNAL,
+                               step_done)
 from zero_jax.mesh import batch_axes
 
 # Set by ``python -m zero_jax.launch`` for each process it starts.
@@ -73,29 +45,12 @@ ENV_COORDINATOR = "ZERO_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "ZERO_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "ZERO_JAX_PROCESS_ID"
 ENV_CPU_DEVICES = "ZERO_JAX_CPU_DEVICES"
-# Set by ``python -m zero_jax.launch --watchdog``: the file this process
-# touches when it finishes a training step (``step_done``).
-ENV_HEARTBEAT_FILE = "ZERO_JAX_HEARTBEAT_FILE"
-# The signal on which a process started with ENV_HEARTBEAT_FILE prints every
-# thread's Python stack to its stderr.
-STACK_DUMP_SIGNAL = signal.SIGUSR1
-
 # Seconds without heartbeats after which the coordination service declares a
 # process dead and terminates all of them. JAX's default (100 s) lets a job
 # whose collectives hang on a dead peer (NCCL) sit idle for almost two
 # minutes; heartbeats come from a C++ thread, independent of the GIL and of
 # long compilations, so 30 s is still far from false alarms.
 DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 30
-
-# The coordination-service key a failing process writes its error to.
-_ABORT_KEY = "zero_jax/abort"
-_POLL_SECONDS = 1.0
-# Separates the error from the exit code in the abort value (a character no
-# error message holds).
-_CODE_MARK = "\x1f"
-# step_done() touches the heartbeat file at most this often: a step costs at
-# most one time.monotonic() call in between.
-_HEARTBEAT_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,290 +172,6 @@ def _use_cpu_devices(n: int) -> None:
     pass  # (an option JAX dropped: gloo is its default for CPU)
 
 
-def _global_state() -> Any:
-  """JAX's distributed-runtime state (its client, process id and count), or
-  None where a JAX version has moved it."""
-  try:
-    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-    return jax_distributed.global_state
-  except (ImportError, AttributeError):
-    return None
-
-
-def _client() -> Any:
-  """JAX's coordination-service client, or None."""
-  return getattr(_global_state(), "client", None)
-
-
-class _FailFast:
-  """Ends every process of a run promptly when one of them fails.
-
-  A process whose main thread raises, or calls ``sys.exit`` with a non-zero
-  code, writes its exit code and error to the coordination service and exits
-  at once; a watchdog thread in every process polls for that error and exits
-  too, with the same code.
-  """
-
-  def __init__(self, client: Any, process_id: int):
-    self._client = client
-    self._pid = process_id
-    self._stop = threading.Event()
-    self._exit_code = 0  # non-zero: this process failed, exit with it
-    # The code of the main thread's last sys.exit() (None: not called, or
-    # training went on after it).
-    self.exit_requested: int | None = None
-    self._previous_hook = sys.excepthook
-    # (owner, name) -> (original, replacement) of each exit function wrapped.
-    self._exits: dict[tuple[Any, str], tuple[Any, Any]] = {}
-    self._thread = threading.Thread(target=self._watch, daemon=True,
-                                    name="zero_jax-fail-fast")
-
-  def start(self) -> None:
-    sys.excepthook = self._excepthook
-    # SystemExit never reaches sys.excepthook, and atexit handlers cannot see
-    # the exit code: only an exit function that records it can tell a
-    # failing sys.exit(3) from a normal end. (A bare ``raise SystemExit(3)``
-    # is seen only where the launcher runs the script: _RUNNER there.)
-    for owner, name in ((sys, "exit"), (builtins, "exit"), (builtins, "quit")):
-      original = getattr(owner, name, None)
-      if original is not None:  # (python -S has no exit() or quit())
-        self._exits[owner, name] = (original, self._recording(original))
-        setattr(owner, name, self._exits[owner, name][1])
-    # Registered after JAX's own exit handler, so it runs first: it must
-    # stop the watchdog before JAX shuts the client down.
-    atexit.register(self._at_exit)
-    self._thread.start()
-
-  def stop(self) -> None:
-    self._halt()
-    atexit.unregister(self._at_exit)
-
-  def _halt(self) -> None:
-    self._stop.set()
-    if self._thread.is_alive() and threading.current_thread() is not \
-        self._thread:
-      self._thread.join(timeout=5)
-    # (==, not is: every self._excepthook is a new bound-method object.)
-    if sys.excepthook == self._excepthook:
-      sys.excepthook = self._previous_hook
-    for (owner, name), (original, wrapped) in self._exits.items():
-      if getattr(owner, name, None) is wrapped:
-        setattr(owner, name, original)
-    self._exits.clear()
-
-  def _watch(self) -> None:
-    while not self._stop.wait(_POLL_SECONDS):
-      if _client() is not self._client:
-        return  # jax.distributed.shutdown() was called
-      try:
-        message = self._client.key_value_try_get(_ABORT_KEY)
-      except Exception:  # pylint: disable=broad-except
-        # NOT_FOUND: nobody failed. Anything else: the coordinator is gone,
-        # and JAX's own error polling terminates this process.
-        continue
-      if self._stop.is_set():
-        return
-      code, text = _parse_abort(str(message))
-      _stderr(f"zero_jax.distributed: {text}; stopping process "
-              f"{self._pid} too.")
-      self._linger()
-      # The failed process's code: whichever process the launcher sees end
-      # first, the job's status is the failure's.
-      os._exit(code)  # pylint: disable=protected-access
-
-  def _recording(self, exit_function: Any) -> Any:
-    """``exit_function`` (``sys.exit``, ``exit``, ``quit``), remembering the
-    main thread's exit code."""
-    def recording_exit(*args: Any) -> None:
-      try:
-        exit_function(*args)
-      except SystemExit as e:
-        self.note_exit(e.code)
-        raise
-    return recording_exit
-
-  def note_exit(self, code: Any) -> None:
-    """Records ``SystemExit(code)`` raised in the main thread. (In another
-    thread, SystemExit ends only that thread.)"""
-    if threading.current_thread() is threading.main_thread():
-      self.exit_requested = _system_exit_code(code)
-
-  def _excepthook(self, exc_type, exc, tb) -> None:
-    self._previous_hook(exc_type, exc, tb)
-    self._fail(1, f"process {self._pid} failed with {exc_type.__name__}: "
-               f"{exc}")
-
-  def _fail(self, code: int, text: str) -> None:
-    """Marks this process failed with ``code`` and tells the others; if
-    another process failed first, takes that one's code instead."""
-    self._exit_code = code
-    self._stop.set()
-    if len(text) > 1000:
-      text = text[:1000] + "..."
-
-    def publish():
-      try:
-        self._client.key_value_set(_ABORT_KEY, _abort_value(code, text))
-        return
-      except Exception:  # pylint: disable=broad-except
-        pass  # another process failed first, or the coordinator is gone
-      try:
-        first = self._client.key_value_try_get(_ABORT_KEY)
-      except Exception:  # pylint: disable=broad-except
-        return
-      # This failure is most likely the other's consequence (a collective
-      # with a process that has gone): the job's status is the first one's,
-      # whichever process the launcher sees end first.
-      self._exit_code, first_text = _parse_abort(str(first))
-      _stderr(f"zero_jax.distributed: {first_text} before process "
-              f"{self._pid} failed.")
-
-    # In a thread, so that an unreachable coordinator cannot hold us here.
-    sender = threading.Thread(target=publish, daemon=True)
-    sender.start()
-    sender.join(timeout=5)
-
-  def _at_exit(self) -> None:
-    if not self._exit_code and self.exit_requested:
-      self._fail(self.exit_requested, f"process {self._pid} exited with "
-                 f"code {self.exit_requested} (SystemExit)")
-    self._halt()
-    if self._exit_code:
-      # Skip JAX's shutdown barrier: it would wait for processes that are
-      # stuck in a collective with this one, until a timeout.
-      _stderr(f"zero_jax.distributed: process {self._pid} exits with code "
-              f"{self._exit_code} without waiting for the others "
-              "(fail_fast).")
-      self._linger()
-      os._exit(self._exit_code)  # pylint: disable=protected-access
-
-  def _linger(self) -> None:
-    # Process 0 hosts the coordination service: give the others one more
-    # poll to read the error before it disappears with this process.
-    if self._pid == 0:
-      time.sleep(2 * _POLL_SECONDS)
-
-
-def _system_exit_code(code: Any) -> int:
-  """The exit status ``SystemExit(code)`` gives, as the OS reports it."""
-  if code is None:
-    return 0
-  if isinstance(code, int):
-    return code & 0xFF  # (sys.exit(256) exits 0, sys.exit(-1) 255)
-  return 1  # (Python prints a message to stderr and exits 1)
-
-
-def _abort_value(code: int, text: str) -> str:
-  """What a failing process publishes: its error, and its exit code unless
-  that is 1 (an uncaught exception's)."""
-  return text if code == 1 else f"{text}{_CODE_MARK}{code}"
-
-
-def _parse_abort(value: str) -> tuple[int, str]:
-  """``(exit code, text)`` of an ``_abort_value``."""
-  text, mark, code = value.rpartition(_CODE_MARK)
-  if mark:
-    try:
-      return int(code), text
-    except ValueError:
-      pass
-  return 1, value
-
-
-def _stderr(message: str) -> None:
-  try:
-    sys.stdout.flush()
-    print(message, file=sys.stderr, flush=True)
-  except Exception:  # pylint: disable=broad-except
-    pass
-
-
-_fail_fast: _FailFast | None = None
-
-
-class _Heartbeat:
-  """This process's heartbeat file, touched by ``step_done()``.
-
-  Created when this module is imported under ``zero_jax.launch --watchdog``
-  with mtime 0, which tells the launcher "running, no step yet"; every
-  later mtime means a step.
-  """
-
-  def __init__(self, path: str):
-    self.path = path
-    self.due = 0.0  # time.monotonic() of the next touch
-
-  def create(self) -> None:
-    try:
-      # O_EXCL: a subprocess of this one (a data loader) inherits the
-      # variable and imports this module too; it must not reset the file.
-      os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-      os.utime(self.path, ns=(0, 0))
-    except OSError:
-      pass
-
-  def beat(self) -> None:
-    now = time.monotonic()
-    if now < self.due:
-      return
-    self.due = now + _HEARTBEAT_SECONDS
-    try:
-      os.utime(self.path)
-    except OSError:
-      pass  # (the launcher removed it: it is ending the job)
-
-
-def _start_heartbeat(env: Mapping[str, str]) -> _Heartbeat | None:
-  """The heartbeat the launcher asked for, if it did; registers the stack
-  dump on ``STACK_DUMP_SIGNAL`` with it."""
-  path = env.get(ENV_HEARTBEAT_FILE, "").strip()
-  if not path:
-    return None
-  heartbeat = _Heartbeat(path)
-  if sys.stderr is not None:
-    try:
-      # The launcher sends the signal when the watchdog fires: the stacks
-      # say where the process hangs (in C code too, where Python's own
-      # signal handlers would never run).
-      faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr,
-                            all_threads=True, chain=False)
-    except (AttributeError, ValueError, OSError, RuntimeError):
-      pass  # (no usable stderr file descriptor: no stacks)
-  heartbeat.create()  # after the handler: the file says it is there
-  return heartbeat
-
-
-_heartbeat: _Heartbeat | None = _start_heartbeat(os.environ)
-
-
-def _main_exited(code: Any) -> None:
-  """The launcher's runner saw the script end with ``SystemExit(code)``."""
-  guard = _fail_fast
-  if guard is not None:
-    guard.note_exit(code)
-
-
-def step_done() -> None:
-  """Reports that this process finished a training step.
-
-  ``Engine.step`` calls it once per step; a training loop that does not use
-  the engine calls it itself. It feeds the watchdog of ``python -m
-  zero_jax.launch --watchdog SECONDS``, which ends a job whose processes go
-  that long without a step. Costs one ``time.monotonic()`` call per step, a
-  file touch at most once a second, and nothing at all when the launcher's
-  watchdog is off.
-
-  It also tells ``fail_fast`` that training went on after a ``sys.exit``
-  the script caught: that call no longer decides the exit code.
-  """
-  heartbeat = _heartbeat
-  if heartbeat is not None:
-    heartbeat.beat()
-  guard = _fail_fast
-  if guard is not None and guard.exit_requested is not None:
-    guard.exit_requested = None
-
-
 def initialize(coordinator_address: str | None = None,
                num_processes: int | None = None,
                process_id: int | None = None, *,
@@ -544,7 +215,7 @@ def initialize(coordinator_address: str | None = None,
     fail_fast: if a process ends with an uncaught exception or
       ``sys.exit(n)``, ``n`` non-zero, it exits at once and the others
       (polling once a second) exit too, with the same exit code, instead of
-      waiting for timeouts (see the module docstring).
+      waiting for timeouts (see ``zero_jax.failfast``).
     **kwargs: passed to ``jax.distributed.initialize`` (e.g.
       ``initialization_timeout``, ``shutdown_timeout_seconds``,
       ``cluster_detection_method``).
@@ -555,7 +226,6 @@ def initialize(coordinator_address: str | None = None,
     RuntimeError: JAX's backend has started already (call ``initialize``
       earlier).
   """
-  global _fail_fast
   if jax.distributed.is_initialized():
     return
   env = _settings_from_env(os.environ)
@@ -596,11 +266,10 @@ def initialize(coordinator_address: str | None = None,
       coordinator_address, num_processes, process_id,
       local_device_ids=local_device_ids,
       heartbeat_timeout_seconds=heartbeat_timeout_seconds, **kwargs)
-  state = _global_state()
+  state = _failfast.global_state()
   client = getattr(state, "client", None)
   if fail_fast and client is not None and state.num_processes > 1:
-    _fail_fast = _FailFast(client, int(state.process_id))
-    _fail_fast.start()
+    _failfast.start_fail_fast(client, int(state.process_id))
 
 
 def shutdown() -> None:
@@ -609,10 +278,7 @@ def shutdown() -> None:
   Optional: it happens at exit anyway. Every process must call it (it waits
   for all of them).
   """
-  global _fail_fast
-  if _fail_fast is not None:
-    _fail_fast.stop()
-    _fail_fast = None
+  _failfast.stop_fail_fast()
   jax.distributed.shutdown()
 
 
@@ -724,3 +390,10 @@ def local_batch(batch: Any, mesh: Mesh) -> Any:
     # make_array_from_process_local_data reads the ranges back in order.
     cut = [np.concatenate([x[a:b] for a, b in ranges]) for x in arrays]
   return jax.tree.unflatten(treedef, cut)
+
+
+__all__ = ["DEFAULT_HEARTBEAT_TIMEOUT_SECONDS", "ENV_COORDINATOR",
+           "ENV_CPU_DEVICES", "ENV_HEARTBEAT_FILE", "ENV_NUM_PROCESSES",
+           "ENV_PROCESS_ID", "STACK_DUMP_SIGNAL", "initialize",
+           "is_main_process", "local_batch", "process_batch_slice",
+           "shutdown", "step_done"]

@@ -2,8 +2,8 @@
 
 Prints, for every stage asked for, zero_jax's analytic bytes per device
 (``zero_jax.memory.estimate_memory``) next to the ZeRO paper's formula, and
-the collectives of one step in multiples of Ψ and in GiB (MiB for small models). No accelerator or
-model is needed.
+the collectives of one step in multiples of Ψ and in GiB (MiB for small
+models). No accelerator or model is needed.
 
 Example::
 
@@ -34,7 +34,7 @@ import argparse
 import math
 import re
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from zero_jax import memory
 from zero_jax.config import ZeroConfig
@@ -85,12 +85,17 @@ def parse_count(text: str) -> float:
   return value
 
 
+def _parsed(text: str, cast: type, expected: str) -> Any:
+  """``cast(text)``, or the argparse error for a value that is not one."""
+  try:
+    return cast(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+
+
 def _bytes_per_param(text: str) -> float:
   """``--k``: finite bytes >= 0 (``float`` alone takes nan and inf)."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+  value = _parsed(text, float, "a number")
   if not (math.isfinite(value) and value >= 0):
     raise argparse.ArgumentTypeError(
         f"must be a finite number >= 0 (optimizer-state bytes per "
@@ -99,10 +104,7 @@ def _bytes_per_param(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+  value = _parsed(text, int, "an integer")
   if value < 1:
     raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
   return value
@@ -179,10 +181,6 @@ def _unit(psi: float) -> tuple[str, float]:
   return ("GiB", _GIB) if 16 * psi >= _GIB else ("MiB", 2.0**20)
 
 
-def _size(x: float, unit: tuple[str, float]) -> str:
-  return f"{x / unit[1]:.3f}"
-
-
 def _psi(x: float) -> str:
   return f"{x:.3g}Ψ"
 
@@ -193,14 +191,6 @@ def _count(x: float) -> str:
     if x >= scale:
       return f"{x / scale:.4g}{suffix}"
   return f"{x:.4g}"
-
-
-def _stage_report(args: argparse.Namespace, stage: int,
-                  activations: float | None) -> list[str]:
-  lines = _analytic_report(args, stage, activations)
-  if args.compile is not None:
-    lines += _compiled_report(args, stage)
-  return lines
 
 
 def _analytic_report(args: argparse.Namespace, stage: int,
@@ -221,7 +211,7 @@ def _analytic_report(args: argparse.Namespace, stage: int,
   paper = memory.paper_estimate(args.params, n, stage, param_bytes=b,
                                 grad_bytes=b, k=k + (4 if compute else 0))
   unit = _unit(args.params)
-  size = lambda x: _size(x, unit)
+  size = lambda x: f"{x / unit[1]:.3f}"
   act = "-" if activations is None else size(est.activations)
   rows = [("params", size(est.params), size(paper.params)),
           ("gradients", size(est.grads), size(paper.grads)),
@@ -368,7 +358,9 @@ def report(args: argparse.Namespace) -> str:
       f"{opt} bytes/param; {precision}",
       f"paper (arXiv:1910.02054): {paper}", ""]
   for stage in _stages(args):
-    lines += _stage_report(args, stage, activations)
+    lines += _analytic_report(args, stage, activations)
+    if args.compile is not None:
+      lines += _compiled_report(args, stage)
     lines.append("")
   lines.append("zero_jax keeps no gradient buffer between steps; gradients "
                "are counted because they are live at the update.")

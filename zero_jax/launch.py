@@ -58,6 +58,7 @@ from typing import IO, Mapping, Sequence
 from zero_jax.distributed import (ENV_COORDINATOR, ENV_CPU_DEVICES,
                                   ENV_HEARTBEAT_FILE, ENV_NUM_PROCESSES,
                                   ENV_PROCESS_ID, STACK_DUMP_SIGNAL)
+from zero_jax.failfast import Watchdog
 
 # The launcher's exit status when --watchdog ended the job (as ``timeout``).
 WATCHDOG_EXIT_CODE = 124
@@ -71,8 +72,6 @@ _HOST = "127.0.0.1"
 _DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
 # How long the processes get to print their stacks before SIGTERM.
 _DUMP_SECONDS = 2.0
-# How often the watchdog looks at the heartbeat files.
-_WATCH_SECONDS = 0.5
 
 
 def _free_port() -> int:
@@ -131,7 +130,7 @@ _TRAMPOLINE = (
 
 # Runs the script (or module, -m) as Python would, but sees how it ends: a
 # SystemExit from any route (sys.exit, exit(), raise SystemExit) tells
-# zero_jax.distributed's fail_fast the exit code, which atexit cannot learn.
+# zero_jax.failfast the exit code, which atexit cannot learn.
 # Inline, not a module of this package: importing zero_jax would import JAX
 # before the script sets its flags.
 _RUNNER = (
@@ -148,7 +147,7 @@ _RUNNER = (
     "try:\n"
     "  run()\n"
     "except SystemExit as e:\n"
-    "  d = sys.modules.get('zero_jax.distributed')\n"
+    "  d = sys.modules.get('zero_jax.failfast')\n"
     "  if d is not None:\n"
     "    d._main_exited(e.code)\n"
     "  raise\n")
@@ -183,54 +182,6 @@ def _say(message: str) -> None:
   print(f"[launch] {message}", file=sys.stderr, flush=True)
 
 
-class _Watchdog:
-  """Tells when a running process has gone too long without a step.
-
-  Each process touches its heartbeat file (``distributed.step_done``); the
-  file appears, with mtime 0, once the process has imported
-  ``zero_jax.distributed``, which registers its stack dump. Any later change
-  of the mtime is a step. Times are the launcher's own monotonic clock, not
-  the files' (which a clock change would move).
-  """
-
-  def __init__(self, limit: float, paths: list[str]):
-    self.limit = limit
-    self.paths = paths
-    now = time.monotonic()
-    self.last_step = [now] * len(paths)  # (launch counts as a step)
-    self.mtimes: list[int | None] = [None] * len(paths)
-    self.next_check = now
-
-  def _look(self, now: float) -> None:
-    for i, path in enumerate(self.paths):
-      try:
-        mtime = os.stat(path).st_mtime_ns
-      except OSError:
-        continue  # not started yet, or never imports zero_jax.distributed
-      if mtime != self.mtimes[i]:
-        self.mtimes[i] = mtime
-        if mtime != 0:
-          self.last_step[i] = now
-
-  def has_handler(self, i: int) -> bool:
-    """Whether process ``i`` registered the stack dump (else the signal
-    would kill it)."""
-    return self.mtimes[i] is not None
-
-  def stuck(self, running: list[int]) -> list[int]:
-    """The running processes that have gone ``limit`` seconds without a
-    step; checks at most every ``_WATCH_SECONDS``."""
-    now = time.monotonic()
-    if now < self.next_check:
-      return []
-    self.next_check = now + _WATCH_SECONDS
-    self._look(now)
-    return [i for i in running if now - self.last_step[i] >= self.limit]
-
-  def idle(self, i: int) -> float:
-    return time.monotonic() - self.last_step[i]
-
-
 class _Launcher:
   """Starts the processes, streams their output, and supervises them."""
 
@@ -246,7 +197,7 @@ class _Launcher:
     self.failure_grace = (min(grace, DEFAULT_FAILURE_GRACE_SECONDS)
                           if failure_grace is None else failure_grace)
     self.watchdog_limit = watchdog
-    self.watchdog: _Watchdog | None = None
+    self.watchdog: Watchdog | None = None
     self.heartbeat_dir: str | None = None
     self.procs: list[subprocess.Popen] = []
     # (index, exit code) of each process that has exited, in order of exit.
@@ -264,7 +215,7 @@ class _Launcher:
       self.heartbeat_dir = tempfile.mkdtemp(prefix="zero_jax_launch_")
       paths = [os.path.join(self.heartbeat_dir, f"heartbeat{i}")
                for i in range(self.nproc)]
-      self.watchdog = _Watchdog(self.watchdog_limit, paths)
+      self.watchdog = Watchdog(self.watchdog_limit, paths)
     for i in range(self.nproc):
       self.procs.append(subprocess.Popen(
           _command(self.command),
@@ -451,27 +402,25 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--port", type=int, default=None,
                       help="coordinator port on 127.0.0.1 (default: a free "
                       "one)")
-  parser.add_argument("--grace-period", type=float, default=30.0,
-                      metavar="SECONDS",
-                      help="after forwarding SIGTERM/SIGINT, wait this long "
-                      "before SIGKILL: the time to write a final checkpoint "
-                      "(default: 30)")
-  parser.add_argument("--failure-grace-period", type=float, default=None,
-                      metavar="SECONDS",
-                      help="after a process failed or the watchdog fired, "
-                      "wait this long between SIGTERM to the others and "
-                      "SIGKILL (default: the smaller of "
-                      f"{DEFAULT_FAILURE_GRACE_SECONDS:g} and "
-                      "--grace-period; JAX processes ignore SIGTERM)")
-  parser.add_argument("--watchdog", type=float, default=None,
-                      metavar="SECONDS",
-                      help="end a hung job: if a running process goes this "
-                      "long without finishing a training step "
-                      "(zero_jax.distributed.step_done(), which "
-                      "Engine.step calls; counted from the launch until the "
-                      "first step, so allow for start-up and compilation), "
-                      "print every running process's Python stack, stop the "
-                      f"job, and exit {WATCHDOG_EXIT_CODE} (default: off)")
+  # (Three durations in seconds, each off or defaulted as its help says.)
+  for flag, default, text in (
+      ("--grace-period", 30.0,
+       "after forwarding SIGTERM/SIGINT, wait this long before SIGKILL: the "
+       "time to write a final checkpoint (default: 30)"),
+      ("--failure-grace-period", None,
+       "after a process failed or the watchdog fired, wait this long "
+       "between SIGTERM to the others and SIGKILL (default: the smaller of "
+       f"{DEFAULT_FAILURE_GRACE_SECONDS:g} and --grace-period; JAX processes "
+       "ignore SIGTERM)"),
+      ("--watchdog", None,
+       "end a hung job: if a running process goes this long without "
+       "finishing a training step (zero_jax.distributed.step_done(), which "
+       "Engine.step calls; counted from the launch until the first step, so "
+       "allow for start-up and compilation), print every running process's "
+       "Python stack, stop the job, and exit "
+       f"{WATCHDOG_EXIT_CODE} (default: off)")):
+    parser.add_argument(flag, type=float, default=default,
+                        metavar="SECONDS", help=text)
   parser.add_argument("-m", "--module", action="store_true",
                       help="SCRIPT is a module name, run as python -m SCRIPT")
   parser.add_argument("script", help="the training script (or module, -m)")
