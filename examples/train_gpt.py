@@ -194,7 +194,7 @@ def make_zero_config(args) -> zj.ZeroConfig:
       ("attn_output", "mlp_hidden")
       if args.remat in ("save_only_named", "offload_to_host") else ()))
   if args.deepspeed_config:
-    config = zj.ZeroConfig.from_deepspeed(args.deepspeed_config)
+    config = zj.from_deepspeed(args.deepspeed_config)
     return dataclasses.replace(config, **remat)
   return zj.ZeroConfig(stage=args.stage, compute_dtype=args.compute_dtype,
                        grad_accum_steps=args.grad_accum_steps,

@@ -1,6 +1,7 @@
 """DeepSpeed JSON configs translate to ZeroConfig, or fail naming the key."""
 
 import json
+import os
 import re
 import warnings
 
@@ -422,3 +423,11 @@ def test_the_mapping_table_is_the_translation():
   assert "mapping_table_markdown" in deepspeed.__doc__
   assert "stage3_param_persistence_threshold" not in deepspeed.__doc__.split(
       "Notes on the mapping")[0]
+
+
+def test_the_docs_table_is_the_mapping_table():
+  docs = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs",
+                      "from-deepspeed-and-fsdp.md")
+  with open(docs, encoding="utf-8") as f:
+    assert deepspeed.mapping_table_markdown().strip() in f.read(), (
+        "paste zero_jax.deepspeed.mapping_table_markdown() into " + docs)

@@ -52,13 +52,13 @@ def test_demo_trains_with_the_deepspeed_config(tmp_path, micro, devices):
 
 def test_the_config_contradicts_itself_on_8_devices():
   # micro 8 x accum 4 x 8 devices is not 32: an error before any compile.
-  config = zj.ZeroConfig.from_deepspeed(DEEPSPEED)
+  config = zj.from_deepspeed(DEEPSPEED)
   with pytest.raises(ValueError, match="batch sizes contradict"):
     zj.Engine(lambda p, b: 0.0, None, config, zj.make_mesh(num_devices=8))
   nvme = json.loads(json.dumps(DEEPSPEED))
   nvme["zero_optimization"]["offload_optimizer"]["device"] = "nvme"
   with pytest.raises(ValueError, match="nvme"):
-    zj.ZeroConfig.from_deepspeed(nvme)
+    zj.from_deepspeed(nvme)
 
 
 def test_demo_resumes_at_another_stage_and_device_count(tmp_path):
