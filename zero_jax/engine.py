@@ -100,8 +100,12 @@ class Engine:
           "devices and supports single-process runs; with "
           f"{jax.process_count()} processes use update_on='device' (the "
           "offloaded state is then streamed through the device)")
+    # Built by init (or abstract_state) for the layout of its parameters:
+    # the jitted step, the host's update (update_on="host") and the
+    # streamed update's slicing (offloaded state updated on the device).
     self._jitted = None
     self._host = None
+    self._streamer = None
     # delay_update: (the master the last step returned, its compute copy
     # still on the host's CPU devices), for the step after next.
     self._pending = None

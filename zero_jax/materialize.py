@@ -71,7 +71,8 @@ class Materializer:
                                                self.reduce_dtype)
 
 
-@dataclasses.dataclass(frozen=True)
+# (eq=False: the fields hold traced arrays, which must never be compared.)
+@dataclasses.dataclass(frozen=True, eq=False)
 class HandedParam:
   """One full parameter array the engine handed to ``loss_fn``.
 
@@ -99,7 +100,7 @@ class HandedParam:
                materializer)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LossContext:
   """What the engine tells the code that runs inside ``loss_fn``.
 
