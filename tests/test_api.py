@@ -45,8 +45,11 @@ def test_step_is_jitted_and_lowerable():
   batch = m.mlp_batches(1)[0]
   compiled = engine.step.lower(state, batch).compile()
   assert "reduce-scatter" in compiled.as_text()
-  new_state, metrics = compiled(state, engine.shard_batch(batch))
+  # (The third output is the step's internal overflow flag: None here,
+  # without float16 loss scaling; never among the metrics.)
+  new_state, metrics, internal = compiled(state, engine.shard_batch(batch))
   assert set(metrics) == {"loss", "grad_norm", "skipped", "skipped_steps"}
+  assert internal is None
   assert int(new_state.step) == 1
   with pytest.raises(RuntimeError, match="donated|deleted"):
     np.asarray(state.params["w1"])  # the old state was donated

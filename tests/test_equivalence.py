@@ -5,6 +5,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
+from zero_jax import plan
 
 STAGES = [0, 1, 2, 3]
 DEVICES = [1, 2, 4, 8]
@@ -60,7 +61,6 @@ def test_hierarchical_mesh_matches_single_device_optax(model, stage, opt):
   m.assert_matches(losses, params_out, ref_losses, ref_params)
   # Sharded leaves hold 1/4 of the leaf per device, not 1/8.
   for x, lp in zip(jax.tree.leaves(state.opt_state),
-                   jax.tree.leaves(engine.opt_plan.leaves,
-                                   is_leaf=lambda x: isinstance(x, zj.LeafPlan))):
+                   plan.flat(engine.opt_plan.leaves)):
     if lp.sharded:
       assert x.sharding.shard_shape(x.shape) == lp.local_shape(4)

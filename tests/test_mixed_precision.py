@@ -7,7 +7,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax import hlo
+from zero_jax import hlo, plan
 
 BF16 = jnp.bfloat16
 
@@ -72,8 +72,7 @@ def test_16bit_tracks_single_device_16bit(low_precision_reference, stage):
     for x in jax.tree.leaves(state.compute_params):
       assert x.dtype == dtype and x.sharding.is_fully_replicated
     for x, lp in zip(jax.tree.leaves(state.params),
-                     jax.tree.leaves(engine.param_plan.leaves,
-                                     is_leaf=lambda x: isinstance(x, zj.LeafPlan))):
+                     plan.flat(engine.param_plan.leaves)):
       assert x.sharding.is_fully_replicated == (not lp.sharded)
   else:
     assert state.compute_params is None

@@ -20,11 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax.mesh import DATA, batch_axes, replica_axes
-from zero_jax.plan import LeafPlan
-
-
-def _is_plan(x) -> bool:
-  return isinstance(x, LeafPlan)
+from zero_jax.plan import LeafPlan, map_leaves
 
 
 def _cast(x: jax.Array, dtype) -> jax.Array:
@@ -105,9 +101,9 @@ def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
 
 
 def reduce_tree(plans, tree, reduce_dtype=None, out_dtype=None):
-  return jax.tree.map(
-      lambda lp, g: reduce_leaf(lp, g, reduce_dtype, out_dtype),
-      plans, tree, is_leaf=_is_plan)
+  """``reduce_leaf`` on every leaf of ``tree`` (``plans``: its plans)."""
+  return map_leaves(lambda lp, g: reduce_leaf(lp, g, reduce_dtype, out_dtype),
+                    plans, tree)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

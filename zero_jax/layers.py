@@ -8,26 +8,24 @@ reduce-scatters each layer's gradients as backward produces them. So one
 layer's full parameters and gradients are live at a time, not the whole
 model's. Outside an engine, or at stages 0-1, it is a plain (remat'd) scan.
 
-How it finds the parameters: while tracing ``loss_fn``, the engine records
-every full parameter array it hands over together with its shard and layout.
-When a recorded array is among the scanned inputs, the scan runs over the
-shard instead and materializes one layer slice per iteration; the
-whole-model materialization the engine prepared is then unused and XLA drops
-it.
+How it finds the parameters: while tracing ``loss_fn``, the engine hands
+over a ``zero_jax.materialize.LossContext`` listing every full parameter
+array it made, with its shard, layout and ``Materializer``. When such an
+array is among the scanned inputs, the scan runs over the shard instead and
+materializes one layer slice per iteration with the same ``Materializer``;
+the whole-model materialization the engine prepared is then unused and XLA
+drops it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import threading
 import warnings
 from typing import Any, Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from zero_jax import collectives
+from zero_jax import materialize
 from zero_jax.plan import LeafPlan
 from zero_jax.remat import NAMED_POLICIES, REMAT_POLICIES, remat_policy
 
@@ -35,51 +33,6 @@ from zero_jax.remat import NAMED_POLICIES, REMAT_POLICIES, remat_policy
 # is ``jax.ad_checkpoint.checkpoint_name``, re-exported for convenience.
 __all__ = ["NAMED_POLICIES", "REMAT_POLICIES", "checkpoint_name",
            "remat_policy", "scan_layers"]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Recorded:
-  """How one full parameter handed to ``loss_fn`` was made.
-
-  kind "gather": full = all_gather(shard) in ``compute_dtype``. kind
-  "scatter": full is the replicated copy ``source``, whose gradient goes to
-  ``shard`` via a reduce-scatter. kind "gather_from": full =
-  all_gather(source) (copied to the device first if ``to_device``), whose
-  gradient goes to ``shard`` (in host memory if ``grad_to_host``).
-  Gradients are summed in ``reduce_dtype``.
-  """
-
-  kind: str
-  plan: LeafPlan
-  shard: jax.Array
-  source: jax.Array | None = None
-  compute_dtype: Any = None
-  reduce_dtype: Any = None
-  to_device: bool = False
-  grad_to_host: bool = False
-
-
-class _Context(threading.local):
-
-  def __init__(self):
-    self.recorded: dict[int, _Recorded] | None = None
-    self.remat: str = "full"
-    self.remat_names: tuple[str, ...] = ()
-
-
-_CTX = _Context()
-
-
-@contextlib.contextmanager
-def _recording(recorded: dict[int, _Recorded], remat: str,
-               remat_names: tuple[str, ...] = ()):
-  """Used by the engine around its call of ``loss_fn``."""
-  prev = (_CTX.recorded, _CTX.remat, _CTX.remat_names)
-  _CTX.recorded, _CTX.remat, _CTX.remat_names = recorded, remat, remat_names
-  try:
-    yield
-  finally:
-    _CTX.recorded, _CTX.remat, _CTX.remat_names = prev
 
 
 def _slice_plan(lp: LeafPlan) -> LeafPlan:
@@ -108,29 +61,27 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
   Returns:
     ``(carry, ys)`` as from ``jax.lax.scan``.
   """
-  recorded = _CTX.recorded or {}
-  policy_name = _CTX.remat if remat is None else remat
-  names = _CTX.remat_names if remat_names is None else tuple(remat_names)
+  context = materialize.current() or materialize.LossContext({})
+  policy_name = context.remat if remat is None else remat
+  names = context.remat_names if remat_names is None else tuple(remat_names)
   policy = remat_policy(policy_name, names)
   leaves, treedef = jax.tree.flatten(xs)
   # Per leaf: what the scan iterates over, and how to turn one slice of it
   # back into the layer's full parameter.
-  scanned, materialize = [], []
+  scanned, makers = [], []
   for x in leaves:
-    rec = recorded.get(id(x))
-    if rec is None or rec.plan.dim in (None, 0):
+    handed = context.lookup(x)
+    if handed is None or handed.plan.dim in (None, 0):
       # Not a ZeRO parameter, or split along the layer axis itself (then a
       # layer lives on one device): scan the full array as given.
       scanned.append(x)
-      materialize.append(None)
-    elif rec.kind == "gather":
-      scanned.append(rec.shard)
-      materialize.append((rec, _slice_plan(rec.plan)))
+      makers.append(None)
     else:
-      scanned.append((rec.shard, rec.source))
-      materialize.append((rec, _slice_plan(rec.plan)))
+      # (source is None when gathering from the shard itself.)
+      scanned.append((handed.shard, handed.source))
+      makers.append((handed.materializer, _slice_plan(handed.plan)))
 
-  if recorded and all(how is None for how in materialize):
+  if context.params and all(how is None for how in makers):
     # Under an engine at stage 2-3 but none of the scanned arrays is a
     # parameter the engine handed over: the layers fall back to whole-model
     # gathering, which trains exactly but costs the memory ZeRO should save.
@@ -144,24 +95,12 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
 
   def body(carry, sliced):
     layer = []
-    for how, s in zip(materialize, sliced):
+    for how, s in zip(makers, sliced):
       if how is None:
         layer.append(s)
-        continue
-      rec, lp = how
-      if rec.kind == "gather":
-        layer.append(collectives.gather_leaf(lp, s, rec.compute_dtype,
-                                             rec.reduce_dtype))
-      elif rec.kind == "gather_from":
-        shard, source = s
-        layer.append(collectives.gather_from(lp, shard, source,
-                                             rec.compute_dtype,
-                                             rec.reduce_dtype, rec.to_device,
-                                             rec.grad_to_host))
       else:
-        shard, source = s
-        layer.append(collectives.use_with_scattered_grad(
-            lp, shard, source, rec.reduce_dtype))
+        materializer, lp = how
+        layer.append(materializer(lp, *s))
     return f(carry, treedef.unflatten(layer))
 
   if policy is not None:

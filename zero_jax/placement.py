@@ -142,11 +142,48 @@ class Placement:
 
   @property
   def master_on_host(self) -> bool:
+    """The master lives outside device memory (pinned host or CPU)."""
     return self.master_memory in (HOST, CPU)
 
   @property
   def opt_on_host(self) -> bool:
+    """The optimizer state lives outside device memory."""
     return self.opt_memory in (HOST, CPU)
+
+  @property
+  def grads_sharded(self) -> bool:
+    """Gradients reach the update sharded like the master's plan (stages
+    1-3); at stage 0 they are all-reduced, replicated."""
+    return self.stage > 0
+
+  @property
+  def master_regathered(self) -> bool:
+    """Stages 1-2 in float32: the replicated master is also what forward
+    reads; each device updates its shard of it, and the shards are
+    all-gathered back after every update."""
+    return self.stage in (1, 2) and not self.master_sharded
+
+  @property
+  def materialize(self) -> str:
+    """How forward gets each sharded parameter whole, and where its
+    gradient goes (``zero_jax.materialize``): ``"local"`` (stages 0-1: the
+    parameters are whole already; gradients are reduced after backward),
+    ``"scatter"`` (stage 2: the replicated copy is used, and its gradient
+    reduce-scattered as backward makes it), ``"gather"`` (stage 3 from the
+    fp32 master shards, differentiated themselves) or ``"gather_from"``
+    (stage 3 from another copy: the sharded compute copy or host memory;
+    the gradient goes to a zero-valued stand-in of the shard)."""
+    if self.stage < 2:
+      return "local"
+    if self.stage == 2:
+      return "scatter"
+    return "gather" if self.gather_from == "master" else "gather_from"
+
+  @property
+  def gathers_from_host(self) -> bool:
+    """Stage 3 gathers shards in host memory: each is copied to the device
+    (one layer at a time inside a scan) before the all-gather."""
+    return self.gather_from in ("host_master", "host_compute")
 
   @property
   def copy_dtype(self) -> np.dtype:

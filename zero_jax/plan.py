@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -38,20 +38,38 @@ class LeafPlan:
 
   @property
   def sharded(self) -> bool:
+    """Whether the leaf is split over ``data``."""
     return self.dim is not None
 
   @property
   def spec(self) -> P:
+    """The leaf's ``PartitionSpec``."""
     if self.dim is None:
       return P()
     return P(*([None] * self.dim + [DATA]))
 
   def local_shape(self, n: int) -> tuple[int, ...]:
+    """The shape each of ``n`` devices holds."""
     if self.dim is None:
       return self.shape
     s = list(self.shape)
     s[self.dim] //= n
     return tuple(s)
+
+
+def is_plan(x: Any) -> bool:
+  """Whether ``x`` is a ``LeafPlan`` (the ``is_leaf`` of trees of plans)."""
+  return isinstance(x, LeafPlan)
+
+
+def map_leaves(fn: Callable[..., Any], plans: Any, *trees: Any) -> Any:
+  """``jax.tree.map(fn, plans, *trees)`` with each ``LeafPlan`` a leaf."""
+  return jax.tree.map(fn, plans, *trees, is_leaf=is_plan)
+
+
+def flat(plans: Any) -> list[LeafPlan]:
+  """The ``LeafPlan`` leaves of a tree of plans, in tree order."""
+  return jax.tree.leaves(plans, is_leaf=is_plan)
 
 
 def plan_leaf(shape: tuple[int, ...], n: int, stage: int,
@@ -78,8 +96,9 @@ def plan_leaf(shape: tuple[int, ...], n: int, stage: int,
     return LeafPlan(shape, None, "scalar")
   size = math.prod(shape)
   if size < min_shard_elements:
-    return LeafPlan(shape, None,
-                    f"{size} elements < min_shard_elements={min_shard_elements}")
+    return LeafPlan(
+        shape, None,
+        f"{size} elements < min_shard_elements={min_shard_elements}")
   best = None
   for d, extent in enumerate(shape):
     if extent % n == 0 and extent >= n and (best is None or
@@ -107,8 +126,7 @@ class Plan:
         tree)
 
   def _map(self, fn):
-    return jax.tree.map(fn, self.leaves,
-                        is_leaf=lambda x: isinstance(x, LeafPlan))
+    return map_leaves(fn, self.leaves)
 
   @property
   def specs(self) -> Any:
@@ -123,6 +141,7 @@ class Plan:
 
   @property
   def replicated_specs(self) -> Any:
+    """PartitionSpecs of the replicated layout (``P()`` everywhere)."""
     return self._map(lambda lp: P())
 
   @property
@@ -132,8 +151,8 @@ class Plan:
 
   def rows(self) -> list[tuple[str, LeafPlan]]:
     """(path, plan) for every leaf, in tree order."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        self.leaves, is_leaf=lambda x: isinstance(x, LeafPlan))
+    flat, _ = jax.tree_util.tree_flatten_with_path(self.leaves,
+                                                   is_leaf=is_plan)
     return [(path_str(p), lp) for p, lp in flat]
 
 
