@@ -22,8 +22,8 @@ import time
 
 import jax
 
-from zero_jax import aot
-from zero_jax.estimate import _gpt_shapes, compile_gpt  # pylint: disable=protected-access
+from zero_jax import aot, initial
+from zero_jax.estimate import compile_gpt, gpt_shapes
 
 GIB = 2 ** 30
 # (name, layers, hidden, heads): GPT-3's sizes to 13B (arXiv:2005.14165,
@@ -40,7 +40,7 @@ MODES = [("no offload", {}),
 
 def init_peak(engine, params_shapes) -> float:
   """Device peak of the engine's init, compiled (GiB)."""
-  make_state, args = engine._initializer(params_shapes)  # pylint: disable=protected-access
+  make_state, args = initial.initializer(engine, params_shapes)
   with jax.set_mesh(engine.mesh):
     ma = make_state.lower(*args).compile().memory_analysis()
   return (ma.argument_size_in_bytes + ma.output_size_in_bytes +
@@ -71,7 +71,7 @@ def main(argv=None):
       engine, c = compile_gpt(args.target, 1, 3, layers=layers,
                               hidden=hidden, heads=heads, vocab=50304,
                               seq_len=1024, micro_batch=args.batch, **kw)
-      _, shapes = _gpt_shapes(layers=layers, hidden=hidden, heads=heads,
+      _, shapes = gpt_shapes(layers=layers, hidden=hidden, heads=heads,
                               vocab=50304, seq_len=1024)
       init = init_peak(engine, shapes)
       step = c.memory.peak / GIB

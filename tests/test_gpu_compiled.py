@@ -19,7 +19,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax import aot, stream
+from zero_jax import aot, initial, stream
 from zero_jax.estimate import compile_gpt, main
 from zero_jax.memory import param_count
 
@@ -251,7 +251,7 @@ def test_offloaded_init_compiles_for_gpus():
   engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(
       stage=3, offload_optimizer="host", offload_params="host"), mesh)
   engine.abstract_state(params)
-  make_state, args = engine._initializer(params)  # pylint: disable=protected-access
+  make_state, args = initial.initializer(engine, params)
   with jax.set_mesh(mesh):
     compiled = make_state.lower(*args).compile()
   host = compiled.memory_analysis().host_output_size_in_bytes

@@ -397,7 +397,7 @@ class Checkpointer:
             jax.device_put(_ls.init(engine.config), loss_scale.skipped.sharding),
             skipped=loss_scale.skipped)
     state = TrainState(**r["state"], loss_scale=loss_scale)
-    return engine._complete(state)  # pylint: disable=protected-access
+    return engine.complete_state(state)
 
   def _resolve_step(self, step: int | None) -> int:
     steps = self.all_steps()

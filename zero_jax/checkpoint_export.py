@@ -41,7 +41,7 @@ def export_params(engine: Engine, state: TrainState,
   directory = os.path.abspath(os.fspath(directory))
   if os.path.exists(directory):
     raise FileExistsError(f"{directory!r} exists; export to a new directory")
-  dtypes = engine._dtypes  # pylint: disable=protected-access
+  dtypes = engine.param_dtypes
   shards = engine.param_plan.shardings  # device memory, this engine's layout
   out = []
   for x, dt, sh in zip(jax.tree.leaves(state.params), dtypes,

@@ -128,7 +128,6 @@ class Engine:
   def param_dtypes(self) -> list[np.dtype]:
     """The dtype of every parameter leaf given to ``init``, flattened:
     ``gather_params`` and exported parameters return these."""
-    # (Kept as _dtypes, which zero_jax.checkpoint still reads.)
     return self._dtypes
 
   def _build(self, params: Any) -> None:
@@ -285,15 +284,6 @@ class Engine:
       The state ``step`` takes.
     """
     return initial.complete(self, state)
-
-  # (The private name zero_jax.checkpoint still calls; it goes once that
-  # calls complete_state.)
-  _complete = complete_state
-
-  def _initializer(self, params: Any):
-    """``init``'s jitted function and its abstract arguments (for
-    compiling ``init`` alone; see ``zero_jax.initial.initializer``)."""
-    return initial.initializer(self, params)
 
   def gather_params(self, state: TrainState) -> Any:
     """The full parameters, unsharded, in the tree and dtypes given to init.

@@ -285,7 +285,7 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
   tx = (optax.sgd(1e-4, momentum=0.9) if optimizer == "sgd_momentum" else
         getattr(optax, optimizer)(1e-4))
   mesh = aot.gpu_mesh(target, devices, replica=replica)
-  graphdef, params = _gpt_shapes(layers=layers, hidden=hidden, heads=heads,
+  graphdef, params = gpt_shapes(layers=layers, hidden=hidden, heads=heads,
                                  vocab=vocab, seq_len=seq_len,
                                  attention=attention)
   config = ZeroConfig(stage=stage, compute_dtype=compute_dtype, remat=remat,
@@ -298,7 +298,7 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
   return engine, aot.compile_step(engine, params, batch)
 
 
-def _gpt_shapes(*, layers: int, hidden: int, heads: int, vocab: int,
+def gpt_shapes(*, layers: int, hidden: int, heads: int, vocab: int,
                 seq_len: int, attention: str = "fused"):
   """``(graphdef, params)`` of the reference GPT, params as shapes only."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -485,7 +485,7 @@ def _check_compile(parser: argparse.ArgumentParser,
     aot.gpu_devices(args.compile, 1)
   except ImportError as e:
     parser.error(str(e))
-  _, shapes = _gpt_shapes(layers=args.layers, hidden=args.hidden,
+  _, shapes = gpt_shapes(layers=args.layers, hidden=args.hidden,
                           heads=args.heads, vocab=args.vocab,
                           seq_len=args.seq_len)
   psi = memory.param_count(shapes)
