@@ -172,7 +172,8 @@ def run_one(run: Run) -> dict:
     if overrides is None:
       state, loss = runner(state, batch)
     else:
-      state, metrics = runner(state, batch)
+      # (The compiled step also returns float16's divergence flag.)
+      state, metrics = runner(state, batch)[:2]
       loss = metrics["loss"]
     losses.append(float(jax.block_until_ready(loss)))
     times.append(time.perf_counter() - t)

@@ -60,6 +60,7 @@ from zero_jax import aot, hlo, memory
 from zero_jax.memory import (compiled_memory, paper_model_state_bytes,
                              param_count, per_device_bytes)
 from zero_jax.mesh import DATA, layout_mesh
+from zero_jax.plan import Plan, plan_leaf
 from zero_jax.models import GPT, GPTConfig, gpt, make_loss_fn
 
 RUNS = ("0", "1", "2", "3", "fsdp", "gspmd")
@@ -183,7 +184,7 @@ def compile_peer(loss_fn, tx, params, batch, mesh):
   """One plain jit with sharded in/out; GSPMD inserts every collective.
 
   Params and every optimizer-state leaf are split over ``data`` on their
-  largest divisible dimension (ZeRO-3's rule and threshold, via ``zj.Plan``),
+  largest divisible dimension (ZeRO-3's rule and threshold, via ``zero_jax.plan.Plan``),
   the batch on its leading dimension. Nothing is materialised: the step is
   lowered from shapes and shardings.
 
@@ -194,9 +195,9 @@ def compile_peer(loss_fn, tx, params, batch, mesh):
   abstract = lambda tree, shardings: jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       tree, shardings)
-  param_sh = zj.Plan(params, mesh, 3, MIN_SHARD_ELEMENTS).shardings
+  param_sh = Plan(params, mesh, 3, MIN_SHARD_ELEMENTS).shardings
   opt_shapes = jax.eval_shape(tx.init, params)
-  opt_sh = zj.Plan(opt_shapes, mesh, 3, MIN_SHARD_ELEMENTS).shardings
+  opt_sh = Plan(opt_shapes, mesh, 3, MIN_SHARD_ELEMENTS).shardings
   batch_sh = jax.tree.map(
       lambda _: NamedSharding(layout_mesh(mesh), P(DATA)), batch)
 
@@ -363,14 +364,19 @@ def notes(rows: list[Row], params, config: GPTConfig, batch_size: int,
       "**Stage 0's temp** falls with N ("
       + ", ".join(f"{mb(t)} at N = {n}" for t, n in zip(t0, ns))
       + f") though its state is constant, because activations are per local "
-      f"batch ({batch_size}/N sequences), down to a floor of 8Ψ bytes = "
-      f"{mb(floor)}: XLA's buffer assignment (`--xla_dump_to`) holds two "
-      f"gradient-sized buffers per stacked weight, and once the local "
+      f"batch ({batch_size}/N sequences), down to a floor of "
+      f"{min(t0) / psi:.1f}Ψ bytes: XLA's buffer assignment "
+      f"(`--xla_dump_to`) holds two gradient-sized buffers per stacked "
+      f"weight (8Ψ = {mb(floor)}), and the CPU program also keeps the "
+      f"updated master and moments apart from the old ones for "
+      f"`skip_nonfinite`'s select (with `skip_nonfinite=False` the floor is "
+      f"8Ψ; the H100-compiled program fuses the select into the update and "
+      f"keeps 8Ψ with it on: memory_sweep_h100.md). Once the local "
       f"activations are small enough they fit in the space those leave.")
 
   # Stage 3 gathers the sharded leaves scan_layers runs twice (forward,
   # remat'd backward) and the sharded leaves used outside it once.
-  sharded = lambda x: zj.plan_leaf(x.shape, hi, 3, MIN_SHARD_ELEMENTS).sharded
+  sharded = lambda x: plan_leaf(x.shape, hi, 3, MIN_SHARD_ELEMENTS).sharded
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   inside = sum(x.size for p, x in flat
                if "blocks" in jax.tree_util.keystr(p) and sharded(x)) / psi
@@ -603,7 +609,7 @@ def main() -> None:
           f"other, as the paper counts an all-reduce.\n"
           f"- FSDP and GSPMD: one `jax.jit` (value_and_grad + adamw, "
           f"donated), params and optimizer state sharded like ZeRO-3 "
-          f"(`zj.Plan`), collectives left to GSPMD; FSDP also pins "
+          f"(`zero_jax.plan.Plan`), collectives left to GSPMD; FSDP also pins "
           f"activations to batch sharding at each block boundary.\n\n"
           f"{markdown_table(rows)}\n")
       if note_lines:

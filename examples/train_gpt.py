@@ -173,7 +173,9 @@ def decay_mask(params):
 
 
 def make_optimizer(args):
-  """AdamW with warmup and cosine decay; returns ``(tx, schedule)``.
+  """AdamW with warmup and cosine decay. ``inject_hyperparams`` keeps the
+  rate in the optimizer state, where the engine reads the ``learning_rate``
+  metric.
 
   Clipping is the engine's (``ZeroConfig.clip_grad_norm``), so the pre-clip
   norm is reported.
@@ -182,9 +184,10 @@ def make_optimizer(args):
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=args.lr, warmup_steps=warmup,
       decay_steps=max(args.steps, warmup + 1), end_value=args.lr / 10)
-  tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1,
-                   mask=decay_mask)
-  return tx, schedule
+  # (mask is a function, not a schedule: static.)
+  return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+      learning_rate=schedule, b1=0.9, b2=0.95, weight_decay=0.1,
+      mask=decay_mask)
 
 
 def make_zero_config(args) -> zj.ZeroConfig:
@@ -304,9 +307,9 @@ def main() -> None:
   model = GPT(config, rngs=nnx.Rngs(args.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   loss_fn = make_loss_fn(graphdef)
-  tx, schedule = make_optimizer(args)
+  tx = make_optimizer(args)
   zero_config = make_zero_config(args)
-  engine = zj.Engine(loss_fn, tx, zero_config, mesh, lr_schedule=schedule)
+  engine = zj.Engine(loss_fn, tx, zero_config, mesh)
   ckpt = (zj.Checkpointer(args.checkpoint_dir, max_to_keep=args.keep)
           if args.checkpoint_dir else None)
   if ckpt is not None and ckpt.latest_step() is not None:

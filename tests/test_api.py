@@ -1,5 +1,7 @@
 """The public API behaves as a user of DeepSpeed or FSDP would expect."""
 
+import importlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -168,3 +170,12 @@ def test_flax_linen_params_plus_apply(stage):
                      zj.make_mesh(num_devices=8))
   losses, out, _ = m.train_engine(engine, params, batches)
   m.assert_matches(losses, out, *ref)
+
+
+@pytest.mark.parametrize("name,home", [("Plan", "plan"), ("plan_leaf", "plan"),
+                                       ("remat_policy", "remat")])
+def test_internals_left_the_top_level_api_with_a_warning(name, home):
+  assert name not in zj.__all__
+  with pytest.warns(DeprecationWarning, match=f"zero_jax.{home}.{name}"):
+    moved = getattr(zj, name)
+  assert moved is getattr(importlib.import_module(f"zero_jax.{home}"), name)

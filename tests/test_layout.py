@@ -4,6 +4,7 @@ import optax
 import pytest
 
 import zero_jax as zj
+from zero_jax.plan import plan_leaf
 from tests import _models as m
 
 
@@ -18,16 +19,16 @@ from tests import _models as m
     ((4,), 8, None, "no dimension divisible by 8"),   # smaller than N
 ])
 def test_plan_leaf(shape, n, dim, reason):
-  lp = zj.plan_leaf(shape, n, stage=3, min_shard_elements=0)
+  lp = plan_leaf(shape, n, stage=3, min_shard_elements=0)
   assert lp.dim == dim
   assert lp.reason == reason
 
 
 def test_plan_leaf_threshold_and_stage0():
-  assert zj.plan_leaf((8, 8), 8, 3, min_shard_elements=100).reason == (
+  assert plan_leaf((8, 8), 8, 3, min_shard_elements=100).reason == (
       "64 elements < min_shard_elements=100")
-  assert zj.plan_leaf((8, 8), 8, 3, min_shard_elements=64).dim == 1
-  assert zj.plan_leaf((64, 64), 8, 0, min_shard_elements=0).reason == "stage 0"
+  assert plan_leaf((8, 8), 8, 3, min_shard_elements=64).dim == 1
+  assert plan_leaf((64, 64), 8, 0, min_shard_elements=0).reason == "stage 0"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -61,10 +61,12 @@ class Engine:
       is averaged over devices into the step's metrics under ``"aux"``.
     with_rng: ``loss_fn`` takes a third argument, a PRNG key that differs on
       every step, micro-batch and device: use it for dropout.
-    lr_schedule: the optax schedule ``tx`` uses, if any: the step's
-      learning rate is then reported as the ``learning_rate`` metric (taken
-      at the count of updates applied, as optax does: skipped steps do not
-      advance it).
+    lr_schedule: deprecated (the schedule was given twice, here and to
+      ``tx``): build ``tx`` with ``optax.inject_hyperparams`` instead, e.g.
+      ``optax.inject_hyperparams(optax.adamw)(learning_rate=schedule)``,
+      and the ``learning_rate`` metric is the rate of the last update
+      applied, read from the optimizer state. (Given, it still reports
+      ``lr_schedule`` at the count of updates applied.)
 
   Raises:
     ValueError: the config's batch sizes contradict each other on this
@@ -88,6 +90,13 @@ class Engine:
     self.replica = dict(mesh.shape).get(REPLICA, 1)
     self.axes = batch_axes(mesh)
     self.num_devices = self.n * self.replica
+    if lr_schedule is not None:
+      warnings.warn(
+          "Engine(lr_schedule=...) is deprecated and goes in the next "
+          "release: give the schedule once, to the optimizer, as "
+          "optax.inject_hyperparams(optax.adamw)(learning_rate=schedule); "
+          "the learning_rate metric is then read from its state",
+          DeprecationWarning, stacklevel=2)
     self.lr_schedule = lr_schedule
     (self.train_batch_size, self.micro_batch_size,
      self.grad_accum_steps) = config.batch_sizes(self.num_devices)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from zero_jax import checks, distributed, grads as grads_lib, update
-from zero_jax.state import TrainState, compute_copy, device_part
+from zero_jax.state import TrainState, compute_copy, device_part, on_device
 
 
 class StepFunction:
@@ -29,8 +29,9 @@ class StepFunction:
   multi-process runs each process passes its own slice of the global batch).
   ``state`` is donated. ``metrics`` holds ``"loss"`` (the mean over the global
   batch), ``"grad_norm"`` (the global gradient norm over the whole model,
-  before clipping), ``"learning_rate"`` when the engine was given
-  ``lr_schedule``, with float16 loss scaling ``"loss_scale"`` (the scale
+  before clipping), ``"learning_rate"`` (the rate of the last
+  update applied) when ``tx`` was built with ``optax.inject_hyperparams``
+  (or the deprecated ``lr_schedule`` was given), with float16 loss scaling ``"loss_scale"`` (the scale
   this step used), ``"skipped"`` (this step overflowed and changed nothing
   but the scale) and ``"skipped_steps"`` (the running total); in fp32 and
   bf16 with ``skip_nonfinite`` (the default), ``"skipped"``: the gradient
@@ -142,6 +143,9 @@ class StepFunction:
         {"step": state.step, "loss_scale": state.loss_scale},
         prepare=self._host_prepare, compute_dtype=engine.placement.copy_dtype)
     metrics.update(more)
+    lr = update.injected_learning_rate(opt_state)
+    if engine.lr_schedule is None and lr is not None:
+      metrics["learning_rate"] = lr  # (on the host's CPU devices)
     if loss_scale is not None:
       loss_scale = jax.device_put(loss_scale, engine.state_shardings.loss_scale)
     to_device = lambda c: jax.device_put(c,
@@ -216,6 +220,11 @@ def train_step(engine, state: TrainState, batch: Any):
     compute_params = compute_copy(pl, device_master)
   elif pl.master_regathered:
     master = update.gather_replicated(engine.param_plan, device_master)
+  lr = update.injected_learning_rate(opt_state)
+  if engine.lr_schedule is None and lr is not None:
+    # (Offloaded: the scalar comes up from host memory with the metrics.)
+    metrics["learning_rate"] = jax.device_put(
+        lr, on_device(engine.state_shardings.step))
   new_state = TrainState(step=state.step + 1, params=master,
                          opt_state=opt_state, rng=state.rng,
                          compute_params=compute_params,

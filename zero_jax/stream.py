@@ -86,11 +86,16 @@ def _smallest_divisor_at_least(e: int, k: int) -> int:
   return next((d for d in range(max(k, 1), e + 1) if e % d == 0), e)
 
 
-def _owner(path: tuple, param_paths: list[tuple]) -> int | None:
+def _owner(path: tuple, shape: tuple, param_paths: list[tuple],
+           param_shapes: list[tuple]) -> int | None:
   """The parameter whose path is the longest suffix of an optimizer-state
-  leaf's path (optax mirrors the parameter tree inside its states)."""
+  leaf's path (optax mirrors the parameter tree inside its states). A
+  scalar belongs to no array parameter: ``inject_hyperparams``' ``b1`` is
+  not the parameter named ``b1``."""
   best, best_len = None, -1
-  for i, pp in enumerate(param_paths):
+  for i, (pp, ps) in enumerate(zip(param_paths, param_shapes)):
+    if not shape and ps:
+      continue
     if len(pp) <= len(path) and tuple(path[len(path) - len(pp):]) == pp:
       if len(pp) > best_len:
         best, best_len = i, len(pp)
@@ -125,7 +130,8 @@ class Streamer:
     self.opt_shapes = [tuple(x.shape) for _, x in oflat]
     self.opt_dtypes = [x.dtype for _, x in oflat]
     param_paths = [tuple(p) for p, _ in flat]
-    self.owner = [_owner(tuple(p), param_paths) for p, _ in oflat]
+    self.owner = [_owner(tuple(p), tuple(x.shape), param_paths, self.shapes)
+                  for p, x in oflat]
     self.opt_paths = [path_str(p) for p, _ in oflat]
 
     # Leaves with the same number of rows are cut alike and share one scan,

@@ -111,6 +111,17 @@ def prepare(engine, grads: Any, step: jax.Array, loss_scale: Any,
   return Prepared(grads, finite, grad_fn, loss_scale, metrics, at_min)
 
 
+def injected_learning_rate(opt_state: Any) -> jax.Array | None:
+  """The learning rate of the last update applied, where ``tx`` was built
+  with ``optax.inject_hyperparams`` (its state holds the rate it used);
+  None if no such state, or more than one, holds a ``learning_rate``."""
+  kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+  found = [s.hyperparams["learning_rate"] for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, kinds))
+           if isinstance(s, kinds) and "learning_rate" in s.hyperparams]
+  return found[0] if len(found) == 1 else None
+
+
 def host_prepare(engine, grads: Any, extra: dict[str, Any]):
   """``prepare`` inside the host's update (``HostUpdate.update``'s
   ``prepare``): ``(grads, finite, (loss scale, metrics, overflow at
