@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-from typing import Any, Mapping, NoReturn
+from typing import Any, Mapping
 import warnings
 
 import jax.numpy as jnp
 import numpy as np
 
+from zero_jax.config_checks import (check_bool, check_choice, check_float,
+                                     check_int, fail, is_int)
 from zero_jax.remat import REMAT_POLICIES, remat_policy
 
 _STAGES = (0, 1, 2, 3)
@@ -23,107 +24,6 @@ _INT64 = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
 # infinite scale overflows every step, so every step would be skipped.
 _MAX_SCALE_POWER = int(math.floor(math.log2(np.finfo(np.float32).max)))
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def _got(value: Any) -> str:
-  """``value`` for an error message, with its type where repr hides it."""
-  text = repr(value)
-  if len(text) > 60:
-    text = text[:50] + "..."
-  if value is None or type(value) in (int, float, bool):
-    return text
-  return f"{text} (a {type(value).__name__})"
-
-
-def _fail(name: str, what: str, value: Any, fix: str) -> NoReturn:
-  """Raises the ValueError every field check uses: field, value, fix."""
-  # A number written as a string, or an int written as a float, is the
-  # usual slip (configs read from YAML or the command line): say so.
-  if isinstance(value, str):
-    try:
-      float(value)
-      fix = f"write the number without quotes; {fix}"
-    except ValueError:
-      pass
-  elif isinstance(value, bool):
-    fix = f"True/False is not a number here; {fix}"
-  raise ValueError(f"ZeroConfig.{name} must be {what}, got {_got(value)}; "
-                   f"{fix}")
-
-
-def _is_int(value: Any) -> bool:
-  # numbers.Integral admits numpy integers; bool is an int to Python but
-  # stage=True is a mistake, not stage 1.
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: Any, minimum: int,
-               maximum: int | None = None, *, optional: bool = False,
-               fix: str) -> int | None:
-  """``value`` as a Python int in [minimum, maximum] (or None if optional).
-
-  Raises:
-    ValueError: not an int (bools, floats and strings included) or out of
-      range; the message names the field, the value and ``fix``.
-  """
-  if optional and value is None:
-    return None
-  if (_is_int(value) and value >= minimum
-      and (maximum is None or value <= maximum)):
-    return int(value)
-  what = (f"an integer >= {minimum}" if maximum is None else
-          f"an integer in [{minimum}, {maximum}]")
-  if isinstance(value, float) and value.is_integer():
-    fix = f"write {int(value)}, an int, not {value!r}; {fix}"
-  _fail(name, ("None or " if optional else "") + what, value, fix)
-
-
-def _check_float(name: str, value: Any, minimum: float, *,
-                 strict: bool = False, maximum: float | None = None,
-                 optional: bool = False, what: str | None = None,
-                 fix: str) -> float | None:
-  """``value`` as a finite Python float > (or >=) minimum, <= maximum.
-
-  Ints are floats here (``clip_grad_norm=1``); nan and inf never are.
-
-  Raises:
-    ValueError: not a real number, not finite or out of range; the message
-      names the field, the value and ``fix``.
-  """
-  if optional and value is None:
-    return None
-  if (_is_real(value) and math.isfinite(value)
-      and (value > minimum if strict else value >= minimum)
-      and (maximum is None or value <= maximum)):
-    return float(value)
-  if what is None:
-    what = f"a finite number {'>' if strict else '>='} {minimum:g}"
-    if maximum is not None:
-      what += f" and <= {maximum:g}"
-    if optional:
-      what = "None or " + what
-  _fail(name, what, value, fix)
-
-
-def _check_bool(name: str, value: Any, fix: str) -> bool:
-  """``value`` as a Python bool; 0/1, strings and None are mistakes."""
-  if isinstance(value, (bool, np.bool_)):
-    return bool(value)
-  _fail(name, "True or False", value, fix)
-
-
-def _check_choice(name: str, value: Any, choices: tuple[Any, ...],
-                  fix: str) -> Any:
-  """``value`` if it is one of ``choices`` (compared by type and value)."""
-  # By type first: an array (or other odd) value must not reach an ``==``
-  # whose truth is ambiguous, nor an ``in`` test that needs a hash.
-  if any(isinstance(value, type(c)) and value == c for c in choices):
-    return value
-  _fail(name, f"one of {choices}", value, fix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,20 +171,20 @@ class ZeroConfig:
 
     (numpy scalars become Python ones, so that equal configs hash alike.)
     """
-    if not (_is_int(self.stage) and self.stage in _STAGES):
-      _fail("stage", f"one of {_STAGES}", self.stage,
+    if not (is_int(self.stage) and self.stage in _STAGES):
+      fail("stage", f"one of {_STAGES}", self.stage,
             "use 0 for plain data parallelism, 1 to shard optimizer state, "
             "2 to also shard gradients, 3 to also shard parameters.")
     self._set("stage", int(self.stage))
-    self._set("min_shard_elements", _check_int(
+    self._set("min_shard_elements", check_int(
         "min_shard_elements", self.min_shard_elements, 0,
         fix="use 0 to shard every leaf that has a dimension divisible by the "
         "number of devices."))
-    self._set("seed", _check_int(
+    self._set("seed", check_int(
         "seed", self.seed, *_INT64,
         fix="jax.random.PRNGKey takes an integer that fits in int64."))
     if not isinstance(self.remat, str) or self.remat not in REMAT_POLICIES:
-      _fail("remat", f"one of {sorted(REMAT_POLICIES)}", self.remat,
+      fail("remat", f"one of {sorted(REMAT_POLICIES)}", self.remat,
             "'full' (the default) recomputes each layer in backward.")
     if isinstance(self.remat_names, (str, bytes)):
       raise ValueError("ZeroConfig.remat_names must be a tuple of names, got "
@@ -293,11 +193,11 @@ class ZeroConfig:
     try:
       names = tuple(self.remat_names)
     except TypeError:
-      _fail("remat_names", "a tuple of checkpoint_name tags",
+      fail("remat_names", "a tuple of checkpoint_name tags",
             self.remat_names, "write e.g. ('mlp_hidden',), or () for none.")
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
-      _fail("remat_names", "a tuple of non-empty strings", self.remat_names,
+      fail("remat_names", "a tuple of non-empty strings", self.remat_names,
             f"{bad[0]!r} is not a checkpoint_name tag; write the names given "
             "to zero_jax.checkpoint_name.")
     self._set("remat_names", names)
@@ -311,7 +211,7 @@ class ZeroConfig:
       except (TypeError, ValueError):
         canonical = None
       if canonical not in _COMPUTE_DTYPES:
-        _fail(name, f"None or one of {_COMPUTE_DTYPES}", value,
+        fail(name, f"None or one of {_COMPUTE_DTYPES}", value,
               "None keeps float32" + (
                   " throughout." if name == "compute_dtype" else
                   " sums; 'bfloat16' halves the reduce-scatter bytes."))
@@ -321,63 +221,63 @@ class ZeroConfig:
          "derives the count from the batch sizes."),
         ("train_batch_size", "None leaves the global batch free."),
         ("micro_batch_size", "None leaves the per-device batch free.")):
-      self._set(name, _check_int(name, getattr(self, name), 1, optional=True,
+      self._set(name, check_int(name, getattr(self, name), 1, optional=True,
                             fix=fix))
-    self._set("clip_grad_norm", _check_float(
+    self._set("clip_grad_norm", check_float(
         "clip_grad_norm", self.clip_grad_norm, 0.0, strict=True,
         optional=True, what="None (no clipping) or a finite number > 0",
         fix="use None to turn clipping off, or a norm such as 1.0."))
-    self._set("loss_scale", _check_float(
+    self._set("loss_scale", check_float(
         "loss_scale", self.loss_scale, 0.0, maximum=_FLOAT32_MAX,
         what="0 (dynamic) or a finite number > 0 (static) that fits in "
         "float32", fix="use 0 for dynamic loss scaling, or a power of two "
         "such as 1024.0 for a static scale."))
-    self._set("initial_scale_power", _check_int(
+    self._set("initial_scale_power", check_int(
         "initial_scale_power", self.initial_scale_power, 0, _MAX_SCALE_POWER,
         fix=(f"the loss scale 2**power is kept in float32, where 2**"
              f"{_MAX_SCALE_POWER + 1} and above are inf (every step would "
              f"overflow and be skipped); the largest allowed power is "
              f"{_MAX_SCALE_POWER} (DeepSpeed's default is 16).")))
-    self._set("loss_scale_window", _check_int(
+    self._set("loss_scale_window", check_int(
         "loss_scale_window", self.loss_scale_window, 1, _INT32_MAX,
         fix="it counts the clean steps before the dynamic scale doubles "
         "(DeepSpeed's default is 1000)."))
-    self._set("hysteresis", _check_int(
+    self._set("hysteresis", check_int(
         "hysteresis", self.hysteresis, 1, _INT32_MAX,
         fix="it counts the overflows tolerated before the scale halves "
         "(DeepSpeed's default is 2; 1 halves at once)."))
     max_scale = 2.0 ** self.initial_scale_power
-    self._set("min_loss_scale", _check_float(
+    self._set("min_loss_scale", check_float(
         "min_loss_scale", self.min_loss_scale, 0.0, strict=True,
         maximum=max_scale,
         what=f"> 0 and at most the initial scale 2**"
         f"{self.initial_scale_power} = {max_scale:g}",
         fix="lower min_loss_scale (the default is 1.0), or raise "
         "initial_scale_power."))
-    self._set("consecutive_hysteresis", _check_bool(
+    self._set("consecutive_hysteresis", check_bool(
         "consecutive_hysteresis", self.consecutive_hysteresis,
         "True refills the hysteresis on every clean step."))
     if self.offload_optimizer in ("nvme", "disk"):
-      _fail("offload_optimizer", "None or 'host'", self.offload_optimizer,
+      fail("offload_optimizer", "None or 'host'", self.offload_optimizer,
             "offload to disk (NVMe) is not implemented; use 'host' to keep "
             "the optimizer state in host memory.")
-    _check_choice("offload_optimizer", self.offload_optimizer, (None, "host"),
+    check_choice("offload_optimizer", self.offload_optimizer, (None, "host"),
                   "use 'host' to keep the optimizer state in host memory, "
                   "None to keep it on the device.")
-    _check_choice("offload_params", self.offload_params, (None, "host"),
+    check_choice("offload_params", self.offload_params, (None, "host"),
                   "use 'host' (stage 3) to keep the fp32 master shards in "
                   "host memory, None to keep them on the device.")
-    _check_choice("update_on", self.update_on, ("device", "host"),
+    check_choice("update_on", self.update_on, ("device", "host"),
                   "'device' streams offloaded state through the device, "
                   "'host' updates it on the host's CPU devices.")
-    self._set("delay_update", _check_bool(
+    self._set("delay_update", check_bool(
         "delay_update", self.delay_update,
         "True (with update_on='host') applies each update one step late."))
-    self._set("skip_nonfinite", _check_bool(
+    self._set("skip_nonfinite", check_bool(
         "skip_nonfinite", self.skip_nonfinite,
         "True skips steps whose gradients hold NaN or inf, False applies "
         "them."))
-    self._set("max_consecutive_skips", _check_int(
+    self._set("max_consecutive_skips", check_int(
         "max_consecutive_skips", self.max_consecutive_skips, 1, _INT32_MAX,
         fix="it counts the skipped steps in a row tolerated before "
         "engine.step raises FloatingPointError (the default is 10)."))
