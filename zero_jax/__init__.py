@@ -13,7 +13,8 @@ The modules by role, in the order data flows through them:
   jitted step and its deferred checks), ``checks`` (state and batch
   validation), ``grads`` (loss and gradients per stage family),
   ``materialize`` (gather / gather-from / scatter: the one choice, shared
-  with ``layers`` and ``flax_layers``, per-layer scans), ``collectives``,
+  with ``layers`` and ``flax_layers``, per-layer scans, and ``blocks``,
+  blocks called in a loop), ``collectives``,
   ``update`` (unscale, norm, skip, clip, the optimizer update), ``stream``
   and ``separable`` (offloaded state updated slice by slice),
   ``host_update`` (the update as a program on the host's CPU devices);
@@ -30,6 +31,7 @@ import importlib as _importlib
 import warnings as _warnings
 
 from zero_jax import distributed, metrics
+from zero_jax.blocks import layer
 from zero_jax.checkpoint import (CheckpointWriteError, Checkpointer,
                                  export_params, load_params)
 from zero_jax.config import ZeroConfig
@@ -57,6 +59,7 @@ __all__ = [
     "estimate_memory",
     "export_params",
     "from_deepspeed",
+    "layer",
     "load_params",
     "make_mesh",
     "metrics",

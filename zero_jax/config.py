@@ -51,6 +51,13 @@ class ZeroConfig:
       ``zero_jax.checkpoint_name`` for a name in ``remat_names``) or
       ``"offload_to_host"`` (move those to host memory until backward).
     remat_names: the ``checkpoint_name`` tags the named policies act on.
+    layer_classes: the blocks run one at a time (a block's parameters
+      gathered at its call and in its remat'd backward at stage 3, its
+      gradients reduce-scattered as backward leaves it at stages 2-3) when
+      called in a Python loop (``zero_jax.blocks``): None (the default)
+      finds them, as sibling Flax modules with identical parameter shapes;
+      a tuple of class names (Accelerate's wrap policy) names them; ``()``
+      turns it off. Scanned layers (``scan_layers``) are per layer anyway.
     compute_dtype: dtype of forward/backward and of the communicated
       parameters (``"bfloat16"``, ``"float16"``; None: float32 throughout).
       Master parameters and optimizer state stay float32; at stages 1-2 a
@@ -140,6 +147,7 @@ class ZeroConfig:
   seed: int = 0
   remat: str = "full"
   remat_names: tuple[str, ...] = ()
+  layer_classes: tuple[str, ...] | None = None
   compute_dtype: str | None = None
   reduce_dtype: str | None = None
   grad_accum_steps: int | None = None
@@ -202,6 +210,14 @@ class ZeroConfig:
             "to zero_jax.checkpoint_name.")
     self._set("remat_names", names)
     remat_policy(self.remat, self.remat_names)  # named policies need names
+    classes = self.layer_classes
+    if classes is not None:
+      if (isinstance(classes, (str, bytes)) or
+          not isinstance(classes, (tuple, list)) or
+          not all(isinstance(c, str) and c for c in classes)):
+        fail("layer_classes", "None or a tuple of class names", classes,
+             "write e.g. ('Block',), or () to run no block as a unit.")
+      self._set("layer_classes", tuple(classes))
     for name in ("compute_dtype", "reduce_dtype"):
       value = getattr(self, name)
       if value is None:

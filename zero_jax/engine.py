@@ -22,8 +22,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import (checks, host_update, initial, loss_scale as _ls, step as
-                      step_lib, stream)
+from zero_jax import (blocks, checks, host_update, initial, loss_scale as _ls,
+                      step as step_lib, stream)
 from zero_jax.config import ZeroConfig
 from zero_jax.mesh import DATA, REPLICA, batch_axes, layout_mesh
 from zero_jax.placement import Placement
@@ -155,6 +155,10 @@ class Engine:
                           params)
     self.param_plan = Plan(master, self.mesh, pl.stage,
                            cfg.min_shard_elements)
+    # Repeated blocks, run one at a time where a Flax module (or zj.layer)
+    # calls them (zero_jax.blocks); which ran is known once traced.
+    self.units = blocks.find_units(master)
+    self.units_seen: dict[str, int] = {}
     opt_shapes = jax.eval_shape(self.tx.init, master)
     self.opt_plan = Plan(opt_shapes, self.mesh, pl.stage,
                          cfg.min_shard_elements)
@@ -357,6 +361,8 @@ class Engine:
     lines.append(f"optimizer state: {len(self.opt_plan.rows())} leaves, "
                  f"{n_rep} replicated (scalars, small or indivisible)")
     lines.extend(pl.describe())
+    lines.extend(blocks.describe(self.units, self.units_seen, pl.stage,
+                                 self.config.layer_classes))
     if self._streamer is not None:
       lines.extend(self._streamer.describe())
     if self._host is not None:

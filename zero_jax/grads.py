@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import checks, collectives, materialize
+from zero_jax import blocks, checks, collectives, materialize
 from zero_jax.mesh import DATA
 from zero_jax.placement import Placement
 from zero_jax.plan import LeafPlan, flat, map_leaves
@@ -207,10 +207,13 @@ def loss_and_grads(engine, params, compute_params, batch, rng, scale):
     def grads_of(batch, key):
       def loss_of_wrt(wrt):
         full, handed = family.full_params(wrt, source)
-        context = materialize.LossContext.of(handed, cfg.remat,
-                                             cfg.remat_names)
-        with materialize.handing_over(context):
-          return loss_of(full, batch, key)
+        context = materialize.LossContext.of(
+            handed, cfg.remat, cfg.remat_names, full=full,
+            units=engine.units, layer_classes=cfg.layer_classes)
+        with materialize.handing_over(context), blocks.intercepting(context):
+          out = loss_of(full, batch, key)
+        engine.units_seen.update(context.seen)
+        return out
 
       g, (loss, aux) = jax.grad(loss_of_wrt, has_aux=True)(wrt)
       return g, loss, aux

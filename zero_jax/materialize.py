@@ -110,17 +110,42 @@ class LossContext:
       parameters); see ``LossContext.of``.
     remat: the ``ZeroConfig.remat`` policy name.
     remat_names: the ``ZeroConfig.remat_names`` tags.
+    full: every parameter array handed to ``loss_fn``, flattened (sharded
+      or not), for finding the blocks (``zero_jax.blocks``).
+    units: the repeated blocks of the parameter tree
+      (``zero_jax.blocks.find_units``).
+    layer_classes: ``ZeroConfig.layer_classes``.
+    seen: filled while tracing: the units run, ``{name: calls}``.
   """
 
   params: Mapping[int, HandedParam]
   remat: str = "full"
   remat_names: tuple[str, ...] = ()
+  full: tuple[Any, ...] = ()
+  units: tuple[Any, ...] = ()
+  layer_classes: tuple[str, ...] | None = None
+  seen: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def of(cls, params: list[HandedParam], remat: str = "full",
-         remat_names: tuple[str, ...] = ()) -> "LossContext":
+         remat_names: tuple[str, ...] = (), *, full: Any = (),
+         units: tuple[Any, ...] = (),
+         layer_classes: tuple[str, ...] | None = None) -> "LossContext":
     """The context for these handed-over parameters."""
-    return cls({id(p.array): p for p in params}, remat, tuple(remat_names))
+    return cls({id(p.array): p for p in params}, remat, tuple(remat_names),
+               tuple(jax.tree.leaves(full)), tuple(units), layer_classes)
+
+  def unit_of(self, leaves: list[Any]) -> Any:
+    """The unit whose parameters are exactly ``leaves`` (the arrays handed
+    over, by identity), or None."""
+    index = {id(x): i for i, x in enumerate(self.full)}
+    found = set()
+    for x in leaves:
+      i = index.get(id(x))
+      if i is None or self.full[i] is not x:
+        return None
+      found.add(i)
+    return next((u for u in self.units if u.leaves == found), None)
 
   def lookup(self, x: Any) -> HandedParam | None:
     """The ``HandedParam`` of ``x`` if it is one of the arrays handed over
