@@ -17,3 +17,13 @@ def is_compile_only(device: jax.Device) -> bool:
     return not device.addressable_memories()
   except Exception:  # pylint: disable=broad-except
     return True
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The mesh axes ``x`` varies over inside ``shard_map`` (its type's
+  ``manual_axis_type.varying``; ``vma`` in some versions)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))

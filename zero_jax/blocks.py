@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from zero_jax import materialize
+from zero_jax._compat import varying_axes
 from zero_jax.remat import remat_policy
 
 # Set while a unit runs its block: the block's own module calls (and the
@@ -80,7 +81,8 @@ def find_units(params: Any) -> tuple[Unit, ...]:
     # Children at this level, grouped by parent: {parent: {child: leaves}}.
     groups: dict[tuple, dict[str, list[int]]] = {}
     for i, k in enumerate(keys):
-      if len(k) > level and i not in taken:
+      # (A child must be a subtree: a norm's bias and scale are no blocks.)
+      if len(k) > level + 1 and i not in taken:
         groups.setdefault(k[:level - 1], {}).setdefault(k[level - 1],
                                                         []).append(i)
     for parent, children in groups.items():
@@ -201,12 +203,16 @@ def _tied(body: Callable[..., Any], policy: Any) -> Callable[..., Any]:
   """``body`` as a custom_vjp whose gathers wait for the activation (in
   forward) and the cotangent (in backward)."""
   fn = body if policy is None else jax.checkpoint(body, policy=policy)
+  primal_axes = []  # each primal input's varying mesh axes (set in fwd)
 
   @jax.custom_vjp
   def run(inputs, dyn):
     return fn(inputs, dyn)
 
   def fwd(inputs, dyn):
+    primal_axes[:] = [varying_axes(x) for x in jax.tree.leaves((inputs,
+                                                                dyn))]
+    # (The barrier makes its operands vary over the union of their axes.)
     inputs, dyn = jax.lax.optimization_barrier((inputs, dyn))
     out, vjp = jax.vjp(fn, inputs, dyn)
     return out, vjp
@@ -215,10 +221,26 @@ def _tied(body: Callable[..., Any], policy: Any) -> Callable[..., Any]:
     # vjp holds what the policy saved (with "full": the shards and inputs
     # alone): tied to the cotangent, the re-gather cannot run early.
     ct, vjp = jax.lax.optimization_barrier((ct, vjp))
-    return jax.lax.optimization_barrier(vjp(ct))
+    grads = jax.lax.optimization_barrier(vjp(ct))
+    leaves, tree = jax.tree.flatten(grads)
+    return jax.tree.unflatten(tree, [
+        _like(g, axes) for g, axes in zip(leaves, primal_axes)])
 
   run.defvjp(fwd, bwd)
   return run
+
+
+def _like(g: jax.Array, axes: frozenset[str]) -> jax.Array:
+  """A cotangent typed as its primal varies: summed over the axes the
+  barrier added (the transpose of varying over them), marked varying over
+  those it lacks."""
+  if g.dtype == jax.dtypes.float0:
+    return g
+  have = varying_axes(g)
+  extra, missing = tuple(have - axes), tuple(axes - have)
+  if extra:
+    g = jax.lax.psum(g, extra)
+  return jax.lax.pcast(g, missing, to="varying") if missing else g
 
 
 # ------------------------------------------------------------ interception

@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from zero_jax._compat import varying_axes
 from zero_jax.mesh import DATA, batch_axes, replica_axes
 from zero_jax.plan import LeafPlan, map_leaves
 
@@ -35,18 +36,32 @@ def _to_replica_varying(x: jax.Array) -> jax.Array:
   # Marking the shard varying over ``replica`` *before* the gather makes the
   # transpose all-reduce the reduce-scattered shard across groups, not the
   # full gradient.
-  axes = replica_axes()
+  # (Already varying there when a block's barrier joined it to the
+  # activation: zero_jax.blocks.)
+  vma = varying_axes(x)
+  axes = tuple(a for a in replica_axes() if a not in vma)
   return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
-def _scatter_grad(dim: int, g: jax.Array, reduce_dtype, out_dtype):
-  """Reduce-scatter over ``data``, then all-reduce across replica groups."""
+def _like_of(x: jax.Array) -> jax.Array:
+  """A zero-size residual with ``x``'s dtype and varying axes (never its
+  data, nor its memory space)."""
+  z = jnp.zeros((0,), x.dtype)
+  axes = tuple(sorted(varying_axes(x)))
+  return jax.lax.pcast(z, axes, to="varying") if axes else z
+
+
+def _scatter_grad(dim: int, g: jax.Array, reduce_dtype, like: jax.Array):
+  """Reduce-scatter over ``data``, then all-reduce across replica groups,
+  in the dtype of ``like`` (``_like_of`` the shard). Where the shard itself
+  varies across groups (a block's barrier made it so: zero_jax.blocks), the
+  sum across groups is left to that variation's transpose."""
   g = jax.lax.psum_scatter(_cast(g, reduce_dtype), DATA,
                            scatter_dimension=dim, tiled=True)
-  axes = replica_axes()
+  axes = tuple(a for a in replica_axes() if a not in varying_axes(like))
   if axes:
     g = jax.lax.psum(g, axes)
-  return g.astype(out_dtype)
+  return g.astype(like.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -58,12 +73,11 @@ def _gather_mixed(dim: int, compute_dtype, reduce_dtype, x: jax.Array):
 def _gather_mixed_fwd(dim, compute_dtype, reduce_dtype, x):
   # Only the dtype of x is needed in backward; a zero-size residual keeps it
   # without saving the shard.
-  return (_gather_mixed(dim, compute_dtype, reduce_dtype, x),
-          jnp.zeros((0,), x.dtype))
+  return (_gather_mixed(dim, compute_dtype, reduce_dtype, x), _like_of(x))
 
 
 def _gather_mixed_bwd(dim, compute_dtype, reduce_dtype, res, g):
-  return (_scatter_grad(dim, g, reduce_dtype, res.dtype),)
+  return (_scatter_grad(dim, g, reduce_dtype, res),)
 
 
 _gather_mixed.defvjp(_gather_mixed_fwd, _gather_mixed_bwd)
@@ -96,7 +110,8 @@ def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
   reduce-scatter along the split dimension, or all-reduce if replicated."""
   out_dtype = out_dtype or g.dtype
   if lp.sharded:
-    return _scatter_grad(lp.dim, g, reduce_dtype, out_dtype)
+    return _scatter_grad(lp.dim, g, reduce_dtype,
+                         jnp.zeros((0,), out_dtype))
   return jax.lax.psum(_cast(g, reduce_dtype), _all_axes()).astype(out_dtype)
 
 
@@ -115,14 +130,14 @@ def _scatter_on_backward(dim: int, reduce_dtype, shard: jax.Array,
 
 def _scatter_fwd(dim, reduce_dtype, shard, full):
   del dim, reduce_dtype
-  return full, jnp.zeros((0,), shard.dtype)
+  return full, _like_of(shard)
 
 
 def _scatter_bwd(dim, reduce_dtype, res, g):
   # The cotangent of the full copy is reduce-scattered right where backward
   # produces it and becomes the cotangent of the shard; the full copy itself
   # gets none (it is not what we differentiate with respect to).
-  return (_scatter_grad(dim, g, reduce_dtype, res.dtype), jnp.zeros_like(g))
+  return (_scatter_grad(dim, g, reduce_dtype, res), jnp.zeros_like(g))
 
 
 _scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)
@@ -151,14 +166,14 @@ def _gather_from_fwd(dim, compute_dtype, reduce_dtype, to_device,
                      grad_to_host, stand_in, source):
   out = _gather_from(dim, compute_dtype, reduce_dtype, to_device,
                      grad_to_host, stand_in, source)
-  return out, jnp.zeros((0,), stand_in.dtype)
+  return out, _like_of(stand_in)
 
 
 def _gather_from_bwd(dim, compute_dtype, reduce_dtype, to_device,
                      grad_to_host, res, g):
   # The source gets no gradient (None: a symbolic zero, which also suits a
   # source in host memory).
-  grad = _scatter_grad(dim, g, reduce_dtype, res.dtype)
+  grad = _scatter_grad(dim, g, reduce_dtype, res)
   if grad_to_host:
     # ZeRO-Offload: the gradient shard leaves the device as soon as
     # backward has made it.
