@@ -10,10 +10,6 @@ shard::
   python benchmarks/accum_memory.py --d-model 256 --accum 8
 """
 
-from _devices import simulate_cpu_devices
-
-simulate_cpu_devices(8)  # before jax is imported
-
 import argparse
 
 import numpy as np
@@ -23,6 +19,8 @@ from flax import nnx
 import zero_jax as zj
 from zero_jax.memory import compiled_memory, param_count
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
+
+zj.mesh.simulate_cpu_devices(8)  # before anything lists devices
 
 
 def main() -> None:

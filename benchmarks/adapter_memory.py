@@ -9,10 +9,6 @@ and prints per-device temp and peak bytes of the compiled step::
   python benchmarks/adapter_memory.py --d-model 256 --layers 16
 """
 
-from _devices import simulate_cpu_devices
-
-simulate_cpu_devices(8)  # before jax is imported
-
 import argparse
 
 import jax
@@ -22,6 +18,8 @@ from flax import nnx
 
 import zero_jax as zj
 from zero_jax.memory import compiled_memory, param_count
+
+zj.mesh.simulate_cpu_devices(8)  # before anything lists devices
 
 
 class Block(nnx.Module):

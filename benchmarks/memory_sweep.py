@@ -37,10 +37,6 @@ collectives kept, real reduce-scatters from GSPMD and the GPU scheduler::
       --plot-from benchmarks/results/memory_sweep.md
 """
 
-from _devices import simulate_cpu_devices
-
-simulate_cpu_devices(8)  # before jax is imported
-
 import argparse
 import os
 import dataclasses
@@ -62,6 +58,8 @@ from zero_jax.memory import (compiled_memory, paper_model_state_bytes,
 from zero_jax.mesh import DATA, layout_mesh
 from zero_jax.plan import Plan, plan_leaf
 from zero_jax.models import GPT, GPTConfig, gpt, make_loss_fn
+
+zj.mesh.simulate_cpu_devices(8)  # before anything lists devices
 
 RUNS = ("0", "1", "2", "3", "fsdp", "gspmd")
 LABELS = {"fsdp": "FSDP", "gspmd": "GSPMD"}

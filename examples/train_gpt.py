@@ -26,28 +26,10 @@ offload and the batch size, as DeepSpeed would; ``--remat`` and the model
 flags still apply.
 """
 
-import os
-
-
-def simulate_cpu_devices(n: int = 8) -> None:
-  """Asks XLA for ``n`` host (CPU) devices unless XLA_FLAGS already sets it.
-
-  Must run before jax is imported. The flag only affects the host backend,
-  so on a GPU machine it is harmless.
-  """
-  if "ZERO_JAX_CPU_DEVICES" in os.environ:
-    return  # started by zero_jax.launch, which sets the device count
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={n}").strip()
-
-
-simulate_cpu_devices(8)  # before jax is imported
-
 import argparse
 import dataclasses
 import glob
+import os
 import signal
 import sys
 import time
@@ -64,6 +46,8 @@ from zero_jax.memory import (compiled_memory, paper_model_state_bytes,
                              param_count, per_device_bytes)
 from zero_jax.mesh import DATA
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
+
+zj.mesh.simulate_cpu_devices(8)  # before anything lists devices
 
 MAX_DATA_BYTES = 4 * 2**20
 VAL_FRACTION = 0.05

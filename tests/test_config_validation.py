@@ -29,6 +29,7 @@ _BAD = {
     "seed": [1.0, "0", None, 2 ** 64],
     "remat": ["dots", ["full"], None, 1],
     "remat_names": ["mlp_hidden", (1,), ("",), 5],
+    "layer_classes": ["Block", ("",), (5,), 5],
     "compute_dtype": ["int8", "fp8", 5, 1.5],
     "reduce_dtype": ["int8", 16, []],
     "grad_accum_steps": [0, -2, 2.0, "2", True],

@@ -324,43 +324,43 @@ def test_static_loss_scale_skips_but_keeps_scale():
   assert int(metrics["skipped_steps"]) == 1
 
 
-@pytest.mark.parametrize("compute_dtype,offload", [
-    ("float16", {}), ("bfloat16", {}),
-    ("bfloat16", dict(offload_optimizer="host")),
-    ("bfloat16", dict(offload_optimizer="host", update_on="host"))])
-def test_learning_rate_metric_is_the_applied_updates_rate(compute_dtype,
-                                                          offload):
-  # float16: the loss scale's overflow skips; bfloat16: skip_nonfinite's.
-  # The schedule is given once, to optax; the rate is read from its state.
-  schedule = optax.linear_schedule(1e-2, 0.0, 10)
-  tx = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
+_SCHEDULE = optax.linear_schedule(1e-2, 0.0, 10)
+
+
+def _learning_rates(tx, config, **engine_args):
+  """The learning_rate metric over 4 steps whose step 1 is skipped."""
   engine = zj.Engine(_poisonable_loss, tx,
-                     zj.ZeroConfig(stage=2, compute_dtype=compute_dtype,
-                                   hysteresis=1, **offload),
-                     zj.make_mesh(num_devices=8))
+                     zj.ZeroConfig(stage=2, hysteresis=1, **config),
+                     zj.make_mesh(num_devices=8), **engine_args)
   state = engine.init(m.mlp_params())
   lrs = []
   for b in _batches(4, poison_at=(1,)):
     state, metrics = engine.step(state, b)
     lrs.append(float(metrics["learning_rate"]))
+  return lrs
+
+
+@pytest.mark.parametrize("config", [
+    dict(compute_dtype="float16"), dict(compute_dtype="bfloat16"),
+    dict(compute_dtype="bfloat16", offload_optimizer="host"),
+    dict(compute_dtype="bfloat16", offload_optimizer="host",
+         update_on="host")])
+def test_learning_rate_metric_is_the_applied_updates_rate(config):
+  # float16: the loss scale's overflow skips; bfloat16: skip_nonfinite's.
+  # The schedule is given once, to optax; the rate is read from its state.
+  tx = optax.inject_hyperparams(optax.adam)(learning_rate=_SCHEDULE)
+  lrs = _learning_rates(tx, config)
   # The skipped step (1) applied nothing: the last rate applied stays.
-  np.testing.assert_allclose(lrs, [schedule(i) for i in (0, 0, 1, 2)],
+  np.testing.assert_allclose(lrs, [_SCHEDULE(i) for i in (0, 0, 1, 2)],
                              rtol=1e-6)
 
 
 @pytest.mark.parametrize("compute_dtype", ["float16", "bfloat16"])
 def test_deprecated_lr_schedule_follows_applied_updates(compute_dtype):
-  schedule = optax.linear_schedule(1e-2, 0.0, 10)
   with pytest.warns(DeprecationWarning, match="inject_hyperparams"):
-    engine = zj.Engine(_poisonable_loss, optax.adam(schedule),
-                       zj.ZeroConfig(stage=2, compute_dtype=compute_dtype,
-                                     hysteresis=1),
-                       zj.make_mesh(num_devices=8), lr_schedule=schedule)
-  state = engine.init(m.mlp_params())
-  lrs = []
-  for b in _batches(4, poison_at=(1,)):
-    state, metrics = engine.step(state, b)
-    lrs.append(float(metrics["learning_rate"]))
+    lrs = _learning_rates(optax.adam(_SCHEDULE),
+                          dict(compute_dtype=compute_dtype),
+                          lr_schedule=_SCHEDULE)
   # The skipped step (1) does not advance optax's count.
-  np.testing.assert_allclose(lrs, [schedule(i) for i in (0, 1, 1, 2)],
+  np.testing.assert_allclose(lrs, [_SCHEDULE(i) for i in (0, 1, 1, 2)],
                              rtol=1e-6)

@@ -9,6 +9,7 @@ reduce-scattered) gradient shards are all-reduced across groups.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import jax
@@ -18,6 +19,21 @@ from zero_jax._compat import is_compile_only
 
 DATA = "data"
 REPLICA = "replica"
+
+
+def simulate_cpu_devices(n: int = 8) -> None:
+  """Gives JAX's CPU backend ``n`` devices: a multi-device mesh on a machine
+  without an accelerator (on a GPU machine only the CPU backend changes).
+
+  Call it before anything lists devices or creates an array. It does
+  nothing under ``python -m zero_jax.launch`` (which sets each process's
+  count) or where ``XLA_FLAGS`` already asks for a count.
+  """
+  if ("ZERO_JAX_CPU_DEVICES" in os.environ or
+      "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS",
+                                                               "")):
+    return
+  jax.config.update("jax_num_cpu_devices", n)
 
 
 def make_mesh(num_devices: int | None = None,
