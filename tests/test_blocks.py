@@ -40,7 +40,7 @@ def batches(steps=3, batch=16, seq=8, vocab=16, seed=0):
 
 
 def _engine(loss_fn, mesh=None, **config):
-  return zj.Engine(loss_fn, optax.adamw(1e-2),
+  return zj.Engine(loss_fn, optax.adamw(1e-3),
                    zj.ZeroConfig(min_shard_elements=0, **config),
                    mesh or zj.make_mesh(num_devices=N))
 
@@ -48,7 +48,7 @@ def _engine(loss_fn, mesh=None, **config):
 @functools.cache
 def _reference(framework):
   loss_fn, params = setup(framework)
-  return m.train_reference(loss_fn, optax.adamw(1e-2), params, batches())
+  return m.train_reference(loss_fn, optax.adamw(1e-3), params, batches())
 
 
 # ---------------------------------------------------------------- exactness
@@ -130,7 +130,7 @@ def test_plain_jax_blocks_through_zj_layer():
   data = [{"x": rng.normal(size=(16, d)).astype(np.float32),
            "y": rng.normal(size=(16, 4)).astype(np.float32)}
           for _ in range(3)]
-  ref = m.train_reference(loss_fn, optax.adamw(1e-2), params, data)
+  ref = m.train_reference(loss_fn, optax.adamw(1e-3), params, data)
   # Outside an engine zj.layer is the function itself.
   x = data[0]["x"]
   np.testing.assert_allclose(zj.layer(block)(params["blocks"][0], x),
