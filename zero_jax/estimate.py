@@ -168,10 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
   comp.add_argument("--compile", metavar="TARGET", default=None,
                     help="GPU to compile for: h100, h200 or a100-80gb "
                     "(needs: pip install \"zero-jax[gpu-compile]\")")
-  comp.add_argument("--attention", choices=("fused", "einsum"),
+  comp.add_argument("--attention", choices=("fused", "einsum", "auto",
+                                            "cudnn"),
                     default="fused",
-                    help="the GPT's attention (default fused: "
-                    "jax.nn.dot_product_attention)")
+                    help="the GPT's attention (GPTConfig.attention; default "
+                    "fused: jax.nn.dot_product_attention, what the recorded "
+                    "figures used; auto: cuDNN's flash attention)")
   return p
 
 
