@@ -53,6 +53,20 @@ MAX_DATA_BYTES = 4 * 2**20
 VAL_FRACTION = 0.05
 
 
+# Defaults by machine. cpu: the demo of the README (8 simulated devices, a
+# 0.87M-parameter model, seconds). gpu: GPT-2 small's shape (86M
+# parameters with the byte vocabulary), bf16, cuDNN attention (the GPT's
+# default), the chunked loss and the fastest remat that fits.
+PRESETS = {
+    "cpu": dict(seq_len=64, d_model=128, layers=4, heads=4, batch_size=32,
+                steps=200, lr=3e-3, remat="full", loss_chunk=None,
+                compute_dtype=None),
+    "gpu": dict(seq_len=1024, d_model=768, layers=12, heads=12,
+                batch_size=16, steps=500, lr=6e-4, remat="auto",
+                loss_chunk=1024, compute_dtype="bfloat16"),
+}
+
+
 def parse_args() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--deepspeed-config", default=None, metavar="FILE",
@@ -64,14 +78,14 @@ def parse_args() -> argparse.Namespace:
                  help="replica groups: state sharded inside each group of "
                  "devices // replica devices, replicated across groups")
   p.add_argument("--compute-dtype", default=None,
-                 choices=("bfloat16", "float16"),
+                 choices=("bfloat16", "float16", "float32"),
                  help="forward/backward and gathered params in this dtype "
                  "(fp32 master weights and optimizer state)")
-  p.add_argument("--remat", default="full", choices=sorted(zj.REMAT_POLICIES))
+  p.add_argument("--remat", default=None, choices=sorted(zj.REMAT_POLICIES))
   p.add_argument("--devices", type=int, default=None,
                  help="devices on the data axis (default: all visible)")
-  p.add_argument("--steps", type=int, default=200)
-  p.add_argument("--batch-size", type=int, default=32,
+  p.add_argument("--steps", type=int, default=None)
+  p.add_argument("--batch-size", type=int, default=None,
                  help="global batch size (sequences per step)")
   p.add_argument("--grad-accum-steps", type=int, default=1,
                  help="micro-batches per step (the global batch is split)")
@@ -79,11 +93,16 @@ def parse_args() -> argparse.Namespace:
                  help="clip to this global norm (0: no clipping)")
   p.add_argument("--offload-optimizer", default=None, choices=("host",),
                  help="keep the optimizer state in host memory")
-  p.add_argument("--seq-len", type=int, default=64)
-  p.add_argument("--d-model", type=int, default=128)
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--preset", default="auto", choices=("auto",) + tuple(
+      PRESETS), help="model and run size (auto: gpu on a GPU, else cpu); "
+      "the flags below override it")
+  p.add_argument("--seq-len", type=int, default=None)
+  p.add_argument("--d-model", type=int, default=None)
+  p.add_argument("--layers", type=int, default=None)
+  p.add_argument("--heads", type=int, default=None)
+  p.add_argument("--loss-chunk", type=int, default=None,
+                 help="tokens per chunk of the loss (GPTConfig.loss_chunk)")
+  p.add_argument("--lr", type=float, default=None)
   p.add_argument("--optimizer", default="adamw", choices=("adamw",))
   p.add_argument("--log-every", type=int, default=10,
                  help="progress line every N steps (redrawn every step on "
@@ -108,7 +127,17 @@ def parse_args() -> argparse.Namespace:
                  "orbax checkpoint (loadable without zero_jax)")
   p.add_argument("--export-dtype", default="float32",
                  choices=("float32", "bfloat16"))
-  return p.parse_args()
+  args = p.parse_args()
+  preset = args.preset
+  if preset == "auto":
+    preset = "gpu" if jax.default_backend() == "gpu" else "cpu"
+  args.preset = preset
+  for key, value in PRESETS[preset].items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  if args.compute_dtype == "float32":
+    args.compute_dtype = None
+  return args
 
 
 # --------------------------------------------------------------------- data
@@ -287,7 +316,8 @@ def main() -> None:
   np_rng = np.random.default_rng(args.seed)
 
   config = GPTConfig(seq_len=args.seq_len, d_model=args.d_model,
-                     n_layers=args.layers, n_heads=args.heads)
+                     n_layers=args.layers, n_heads=args.heads,
+                     loss_chunk=args.loss_chunk)
   model = GPT(config, rngs=nnx.Rngs(args.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   loss_fn = make_loss_fn(graphdef)
@@ -347,6 +377,8 @@ def main() -> None:
       meter.update()
       if step == first:
         say(f"compile + first step {time.perf_counter() - t_train:.1f}s")
+        if engine.remat_reason:
+          say(engine.remat_reason)
       shown = {k: metrics[k] for k in ("loss", "grad_norm", "learning_rate",
                                        "loss_scale", "skipped_steps")
                if k in metrics}

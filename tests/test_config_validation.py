@@ -30,6 +30,7 @@ _BAD = {
     "remat": ["dots", ["full"], None, 1],
     "remat_names": ["mlp_hidden", (1,), ("",), 5],
     "layer_classes": ["Block", ("",), (5,), 5],
+    "device_memory_bytes": [0, -1, 1.5, "80GB", True],
     "compute_dtype": ["int8", "fp8", 5, 1.5],
     "reduce_dtype": ["int8", 16, []],
     "grad_accum_steps": [0, -2, 2.0, "2", True],

@@ -84,3 +84,16 @@ def test_demo_resumes_at_another_stage_and_device_count(tmp_path):
   for step, loss in resumed.items():
     assert abs(loss - losses[step]) <= 1e-5 * abs(losses[step])
   assert "exported the parameters (float32)" in out.stdout
+
+
+def test_the_gpu_preset_runs_on_cpu_at_a_shrunk_size(tmp_path):
+  # The preset a GPU picks by itself: bf16, remat chosen by compiled peak,
+  # the chunked loss (cuDNN attention only exists in GPU programs).
+  out, log = _run_demo(tmp_path, None, 8, 2, "--preset", "gpu",
+                       "--batch-size", "16", "--loss-chunk", "16")
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "compute_dtype='bfloat16'" in out.stdout
+  assert "remat auto chose none" in out.stdout
+  assert "loss_chunk=16" in out.stdout
+  rows = [json.loads(line) for line in log.read_text().splitlines()]
+  assert [r["step"] for r in rows] == [1, 2] and 0 < rows[-1]["loss"] < 10

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from typing import Any
 
 import jax
@@ -66,6 +67,18 @@ def target_spec(target: str) -> str:
     return f.read()
 
 
+# The compile-only devices made here, with their memory (they report none),
+# by id; each is kept alive, so its id is not reused.
+_MEMORY: dict[int, tuple[jax.Device, int]] = {}
+
+
+def device_memory(device: jax.Device) -> int | None:
+  """The memory of a compile-only device from ``gpu_devices`` (its spec's
+  ``device_memory_size``), or None for any other device."""
+  found = _MEMORY.get(id(device))
+  return found[1] if found is not None and found[0] is device else None
+
+
 def gpu_devices(target: str = "h100", count: int = 8) -> list[jax.Device]:
   """``count`` compile-only devices of a GPU in ``TARGETS``, on one host.
 
@@ -101,6 +114,10 @@ def gpu_devices(target: str = "h100", count: int = 8) -> list[jax.Device]:
         f"JAX's CUDA plugin could not describe {count} {target} devices "
         f"({type(e).__name__}: {e}); it must match jax {jax.__version__}: "
         f"{INSTALL_HINT}") from e
+  memory = re.search(r"device_memory_size:\s*(\d+)", spec)
+  for d in topo.devices:
+    if memory:
+      _MEMORY[id(d)] = (d, int(memory.group(1)))
   return list(topo.devices)
 
 

@@ -51,6 +51,9 @@ class ZeroConfig:
       ``zero_jax.checkpoint_name`` for a name in ``remat_names``) or
       ``"offload_to_host"`` (move those to host memory until backward).
     remat_names: the ``checkpoint_name`` tags the named policies act on.
+    device_memory_bytes: the memory per device ``remat="auto"`` fits the
+      compiled step into (None: what the device reports;
+      ``zero_jax.auto_remat``).
     layer_classes: the blocks run one at a time (a block's parameters
       gathered at its call and in its remat'd backward at stage 3, its
       gradients reduce-scattered as backward leaves it at stages 2-3) when
@@ -147,6 +150,7 @@ class ZeroConfig:
   seed: int = 0
   remat: str = "full"
   remat_names: tuple[str, ...] = ()
+  device_memory_bytes: int | None = None
   layer_classes: tuple[str, ...] | None = None
   compute_dtype: str | None = None
   reduce_dtype: str | None = None
@@ -210,6 +214,10 @@ class ZeroConfig:
             "to zero_jax.checkpoint_name.")
     self._set("remat_names", names)
     remat_policy(self.remat, self.remat_names)  # named policies need names
+    self._set("device_memory_bytes", check_int(
+        "device_memory_bytes", self.device_memory_bytes, 1, optional=True,
+        fix="give bytes per device, e.g. 80 * 2**30, or None for what the "
+        "device reports."))
     classes = self.layer_classes
     if classes is not None:
       if (isinstance(classes, (str, bytes)) or

@@ -10,7 +10,6 @@ them), and ``checks`` tests what the user passes in.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import warnings
@@ -27,8 +26,8 @@ from zero_jax import (blocks, checks, host_update, initial, loss_scale as _ls,
 from zero_jax.config import ZeroConfig
 from zero_jax.mesh import DATA, REPLICA, batch_axes, layout_mesh
 from zero_jax.placement import Placement
-from zero_jax.plan import Plan, flat, map_leaves, path_str
-from zero_jax.state import TrainState, device_part, on_device, on_host
+from zero_jax.plan import Plan, flat, path_str
+from zero_jax.state import TrainState, on_device, on_host
 
 __all__ = ["Engine", "TrainState"]
 
@@ -98,6 +97,9 @@ class Engine:
           "the learning_rate metric is then read from its state",
           DeprecationWarning, stacklevel=2)
     self.lr_schedule = lr_schedule
+    # The remat policy the step is traced with; "auto" until chosen
+    # (zero_jax.auto_remat), with why in remat_reason.
+    self.remat, self.remat_reason = config.remat, None
     (self.train_batch_size, self.micro_batch_size,
      self.grad_accum_steps) = config.batch_sizes(self.num_devices)
     # Where master, moments, gradients and the compute copy live, and where
@@ -211,29 +213,7 @@ class Engine:
                                        flat(self.param_plan.leaves),
                                        flat(self.opt_plan.leaves), self.n,
                                        stream.SLICE_BYTES)
-    train_step = functools.partial(step_lib.train_step, self)
-    if self._host is None:
-      # (The third output: the overflow-at-minimum-scale flag engine.step
-      # reads, not a metric.)
-      self._jitted = jax.jit(train_step, donate_argnums=0,
-                             out_shardings=(self.state_shardings, replicated,
-                                            replicated))
-    else:
-      # The device's program: gradients out for the host's update (in host
-      # memory where backward sends them there). Nothing is donated: no
-      # output takes an input's place; the step deletes the old compute
-      # copy once this is dispatched.
-      grads = (self.param_plan.shardings if pl.grads_sharded else
-               replicated_tree)
-      if pl.grads_on_host:
-        grads = map_leaves(
-            lambda lp, sh: sh.with_memory_kind("pinned_host") if lp.sharded
-            else sh, self.param_plan.leaves, grads)
-      self._jitted = jax.jit(
-          train_step,
-          out_shardings=(dataclasses.replace(
-              device_part(self.state_shardings), compute_params=None,
-              loss_scale=None), replicated, grads))
+    self._jitted = step_lib.build_jit(self)
 
   # ------------------------------------------------------------------ API
 
@@ -361,6 +341,9 @@ class Engine:
     lines.append(f"optimizer state: {len(self.opt_plan.rows())} leaves, "
                  f"{n_rep} replicated (scalars, small or indivisible)")
     lines.extend(pl.describe())
+    if self.config.remat == "auto":
+      lines.append(self.remat_reason or "remat auto: chosen when the step is "
+                   "first compiled (engine.step or engine.step.lower)")
     lines.extend(blocks.describe(self.units, self.units_seen, pl.stage,
                                  self.config.layer_classes))
     if self._streamer is not None:

@@ -168,10 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
   comp.add_argument("--compile", metavar="TARGET", default=None,
                     help="GPU to compile for: h100, h200 or a100-80gb "
                     "(needs: pip install \"zero-jax[gpu-compile]\")")
-  comp.add_argument("--attention", choices=("fused", "einsum"),
-                    default="fused",
-                    help="the GPT's attention (default fused: "
-                    "jax.nn.dot_product_attention)")
+  comp.add_argument("--attention", default="fused",
+                    choices=("fused", "einsum", "auto", "cudnn"),
+                    help="GPTConfig.attention (default fused, which the "
+                    "recorded figures used; auto: cuDNN's flash attention)")
   return p
 
 

@@ -208,7 +208,7 @@ def loss_and_grads(engine, params, compute_params, batch, rng, scale):
       def loss_of_wrt(wrt):
         full, handed = family.full_params(wrt, source)
         context = materialize.LossContext.of(
-            handed, cfg.remat, cfg.remat_names, full=full,
+            handed, engine.remat, cfg.remat_names, full=full,
             units=engine.units, layer_classes=cfg.layer_classes)
         with materialize.handing_over(context), blocks.intercepting(context):
           out = loss_of(full, batch, key)

@@ -22,7 +22,13 @@ REMAT_POLICIES: dict[str, str] = {
     "offload_to_host": "move activations tagged with a name in remat_names "
                        "to host memory (pinned_host) in forward and back in "
                        "backward; recompute the rest",
+    "auto": "the fastest of AUTO_CANDIDATES whose compiled step fits the "
+            "device's memory, chosen when the step is first compiled "
+            "(zero_jax.auto_remat); full outside an engine",
 }
+
+# What remat="auto" tries, fastest (most kept) first.
+AUTO_CANDIDATES = ("none", "dots_saveable", "full")
 
 # Policies that act on activations tagged with ``checkpoint_name``.
 NAMED_POLICIES = ("save_only_named", "offload_to_host")
@@ -52,6 +58,8 @@ def remat_policy(name: str, names: tuple[str, ...] = ()) -> Any:
         "'mlp_hidden',)) with zero_jax.checkpoint_name(x, 'mlp_hidden') in the "
         "layer")
   cp = jax.checkpoint_policies
+  if name == "auto":  # (not chosen yet: outside an engine)
+    name = "full"
   if name == "none":
     return None
   if name == "full":

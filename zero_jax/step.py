@@ -15,8 +15,11 @@ import functools
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zero_jax import checks, distributed, grads as grads_lib, update
+from zero_jax import (auto_remat, checks, distributed, grads as grads_lib,
+                      update)
+from zero_jax.plan import map_leaves
 from zero_jax.state import TrainState, compute_copy, device_part, on_device
 
 
@@ -79,9 +82,11 @@ class StepFunction:
     return self._engine._jitted
 
   def __call__(self, state: TrainState, batch: Any):
-    jitted = self.jitted
     self.check()
     engine = self._engine
+    if engine.remat == "auto":
+      auto_remat.choose(engine, state, batch, build_jit)
+    jitted = self.jitted
     if state is not self._returned:
       # (The state the last step returned is known good: skip the walk.)
       checks.check_state(state, engine._shapes, engine.state_shardings)
@@ -128,6 +133,8 @@ class StepFunction:
   def lower(self, state: TrainState, batch: Any):
     """The jitted step's ``Lowered`` for this state and batch (arrays or
     ``jax.ShapeDtypeStruct``)."""
+    if self._engine.remat == "auto":
+      auto_remat.choose(self._engine, state, batch, build_jit)
     jitted = self.jitted
     if self._engine._host is not None:
       state = device_part(state)
@@ -170,6 +177,32 @@ class StepFunction:
     return dataclasses.replace(
         new, params=master, opt_state=opt_state, loss_scale=loss_scale,
         compute_params=compute), metrics, at_min
+
+
+def build_jit(engine) -> Any:
+  """The ``jax.jit`` of ``train_step`` for the engine's layout (traced
+  anew: the engine's remat policy is read when it is traced)."""
+  pl = engine.placement
+  replicated = NamedSharding(engine.mesh, P())
+  fn = functools.partial(train_step, engine)
+  if engine._host is None:
+    # (The third output: the overflow-at-minimum-scale flag engine.step
+    # reads, not a metric.)
+    return jax.jit(fn, donate_argnums=0, out_shardings=(
+        engine.state_shardings, replicated, replicated))
+  # The device's program: gradients out for the host's update (in host
+  # memory where backward sends them there). Nothing is donated: no output
+  # takes an input's place; the step deletes the old compute copy once
+  # this is dispatched.
+  grads = (engine.param_plan.shardings if pl.grads_sharded else
+           jax.tree.map(lambda _: replicated, engine.param_plan.shardings))
+  if pl.grads_on_host:
+    grads = map_leaves(
+        lambda lp, sh: sh.with_memory_kind("pinned_host") if lp.sharded
+        else sh, engine.param_plan.leaves, grads)
+  return jax.jit(fn, out_shardings=(dataclasses.replace(
+      device_part(engine.state_shardings), compute_params=None,
+      loss_scale=None), replicated, grads))
 
 
 def train_step(engine, state: TrainState, batch: Any):

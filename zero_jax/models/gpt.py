@@ -41,6 +41,7 @@ BLOCK_PARAMS = (
 )
 
 _LN_EPS = 1e-5
+ATTENTIONS = ("auto", "einsum", "fused", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +57,17 @@ class GPTConfig:
     d_ff: hidden width of the MLP; None means ``4 * d_model``.
     dropout: dropout rate on the embeddings and on each residual branch; it is
       applied only when a PRNG key is passed to the model.
-    attention: ``"einsum"`` (explicit scores and float32 softmax, the
-      reference) or ``"fused"`` (``jax.nn.dot_product_attention``: cuDNN's
-      flash attention on GPUs, for speed).
+    attention: ``"auto"`` (the default: cuDNN's flash attention where the
+      step is compiled for an NVIDIA GPU and cuDNN takes the shape, bf16 or
+      fp16 heads of at most 128 features in multiples of 8; ``"einsum"``
+      everywhere else, so CPU programs are unchanged), ``"einsum"``
+      (explicit scores and float32 softmax, the reference), ``"fused"``
+      (``jax.nn.dot_product_attention``, XLA's choice of implementation) or
+      ``"cudnn"`` (cuDNN's always: GPU only).
+    loss_chunk: ``make_loss_fn``'s loss takes the head and the
+      cross-entropy this many tokens at a time (``chunked_cross_entropy``),
+      so the float32 logits and their gradient are never whole; None: all
+      at once. It must divide the tokens per device-step (batch x seq_len).
   """
 
   vocab_size: int = 256
@@ -68,11 +77,12 @@ class GPTConfig:
   n_heads: int = 4
   d_ff: int | None = None
   dropout: float = 0.0
-  attention: str = "einsum"
+  attention: str = "auto"
+  loss_chunk: int | None = None
 
   def __post_init__(self):
-    if self.attention not in ("einsum", "fused"):
-      raise ValueError(f"GPTConfig.attention must be 'einsum' or 'fused', "
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"GPTConfig.attention must be one of {ATTENTIONS}, "
                        f"got {self.attention!r}")
     for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
       if getattr(self, name) < 1:
@@ -83,6 +93,9 @@ class GPTConfig:
           f"GPTConfig.d_model ({self.d_model}) must be divisible by n_heads "
           f"({self.n_heads}) so every head gets d_model // n_heads features; "
           f"e.g. use n_heads={math.gcd(self.d_model, self.n_heads)}.")
+    if self.loss_chunk is not None and self.loss_chunk < 1:
+      raise ValueError(f"GPTConfig.loss_chunk must be >= 1 or None, got "
+                       f"{self.loss_chunk}")
     if self.d_ff is not None and self.d_ff < 1:
       raise ValueError(f"GPTConfig.d_ff must be >= 1 or None, got {self.d_ff}")
     if not 0.0 <= self.dropout < 1.0:
@@ -115,41 +128,64 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
-def causal_self_attention(x: jax.Array, qkv_w: jax.Array,
-                          out_w: jax.Array, out_b: jax.Array,
-                          n_heads: int, fused: bool = False) -> jax.Array:
-  """Multi-head causal self-attention of ``x`` (B, T, d) -> (B, T, d).
+def cudnn_supported(q: jax.Array) -> bool:
+  """Whether cuDNN's flash attention takes heads like ``q`` (B, T, H, hd)."""
+  hd = q.shape[-1]
+  return (q.dtype in (jnp.bfloat16, jnp.float16) and hd % 8 == 0 and
+          hd <= 128)
 
-  ``fused`` uses ``jax.nn.dot_product_attention`` (flash attention where the
-  backend has one) instead of explicit scores.
-  """
-  b, t, d = x.shape
-  hd = d // n_heads
-  # No QKV bias: a key bias adds the same q.b to every score of a row, which
-  # softmax ignores, so its true gradient is zero and Adam-like optimizers
-  # would amplify pure rounding noise into it.
-  qkv = x @ qkv_w                                             # (B, T, 3d)
-  q, k, v = jnp.split(qkv, 3, axis=-1)
-  if fused:
-    q, k, v = (a.reshape(b, t, n_heads, hd) for a in (q, k, v))
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return y.reshape(b, t, d) @ out_w + out_b
-  # (B, T, d) -> (B, H, T, hd)
-  q, k, v = (a.reshape(b, t, n_heads, hd).transpose(0, 2, 1, 3)
-             for a in (q, k, v))
+
+def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Explicit causal attention of (B, T, H, hd) heads, float32 softmax."""
+  t, hd = q.shape[1], q.shape[-1]
+  # (B, T, H, hd) -> (B, H, T, hd)
+  q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
   scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(hd)
   mask = jnp.tril(jnp.ones((t, t), dtype=bool))
   # Softmax in float32 so that low-precision compute stays stable.
   scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  y = jnp.einsum("bhqk,bhkd->bhqd", probs, v)
-  y = y.transpose(0, 2, 1, 3).reshape(b, t, d)
-  return y @ out_w + out_b
+  return jnp.einsum("bhqk,bhkd->bhqd", probs, v).transpose(0, 2, 1, 3)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
+            attention: str) -> jax.Array:
+  """Causal attention of (B, T, H, hd) heads by the named implementation."""
+  if attention == "einsum":
+    return _einsum_attention(q, k, v)
+  if attention == "fused":
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  cudnn = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="cudnn")
+  if attention == "cudnn":
+    return cudnn(q, k, v)
+  if not cudnn_supported(q):
+    return _einsum_attention(q, k, v)
+  # Chosen when the program is lowered: cuDNN in a program for an NVIDIA
+  # GPU (a compile-only one too), the einsum in any other.
+  return jax.lax.platform_dependent(q, k, v, cuda=cudnn,
+                                    default=_einsum_attention)
+
+
+def causal_self_attention(x: jax.Array, qkv_w: jax.Array,
+                          out_w: jax.Array, out_b: jax.Array,
+                          n_heads: int, attention: str = "einsum"
+                          ) -> jax.Array:
+  """Multi-head causal self-attention of ``x`` (B, T, d) -> (B, T, d), by
+  ``GPTConfig.attention``'s implementation."""
+  b, t, d = x.shape
+  # No QKV bias: a key bias adds the same q.b to every score of a row, which
+  # softmax ignores, so its true gradient is zero and Adam-like optimizers
+  # would amplify pure rounding noise into it.
+  qkv = x @ qkv_w                                             # (B, T, 3d)
+  q, k, v = (a.reshape(b, t, n_heads, d // n_heads)
+             for a in jnp.split(qkv, 3, axis=-1))
+  return _attend(q, k, v, attention).reshape(b, t, d) @ out_w + out_b
 
 
 def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
           dropout_rate: float = 0.0, rng: jax.Array | None = None,
-          fused_attention: bool = False) -> jax.Array:
+          attention: str = "einsum") -> jax.Array:
   """One pre-LN transformer block: ``h + attn(ln(h))``, then ``+ mlp(ln(.))``.
 
   A pure function of the hidden state and *one* layer's parameters (a dict
@@ -162,7 +198,7 @@ def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
     n_heads: attention heads.
     dropout_rate: residual dropout rate.
     rng: PRNG key for dropout, or None for no dropout.
-    fused_attention: see ``causal_self_attention``.
+    attention: ``GPTConfig.attention``.
 
   Returns:
     The new hidden state (B, T, d).
@@ -174,7 +210,7 @@ def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
   # remat_names=("attn_output", "mlp_hidden"))).
   x = checkpoint_name(causal_self_attention(x, p["attn_qkv"], p["attn_out"],
                                             p["attn_out_bias"], n_heads,
-                                            fused_attention),
+                                            attention),
                       "attn_output")
   h = h + dropout(x, dropout_rate, k_attn)
   x = layer_norm(h, p["ln2_scale"], p["ln2_bias"])
@@ -258,6 +294,13 @@ class GPT(nnx.Module):
     Returns:
       float32 logits (B, T, vocab_size).
     """
+    return (self.hidden(tokens, rng=rng) @ self.head[...]).astype(
+        jnp.float32)
+
+  def hidden(self, tokens: jax.Array, *,
+             rng: jax.Array | None = None) -> jax.Array:
+    """The final hidden state (B, T, d_model) that the head reads
+    (``__call__``'s arguments)."""
     cfg = self.config
     t = tokens.shape[-1]
     if t > cfg.seq_len:
@@ -277,7 +320,7 @@ class GPT(nnx.Module):
       key = None if rng is None else jax.random.fold_in(rng, i)
       h = block(h, layer_params, n_heads=cfg.n_heads,
                 dropout_rate=cfg.dropout, rng=key,
-                fused_attention=cfg.attention == "fused")
+                attention=cfg.attention)
       return h, None
 
     xs = (self.blocks.stacked(), jnp.arange(cfg.n_layers))
@@ -285,8 +328,7 @@ class GPT(nnx.Module):
     # or reduce-scatters the gradients of (stage 2) one layer at a time.
     h, _ = scan_layers(body, h, xs)
 
-    h = layer_norm(h, self.ln_f_scale[...], self.ln_f_bias[...])
-    return (h @ self.head[...]).astype(jnp.float32)
+    return layer_norm(h, self.ln_f_scale[...], self.ln_f_bias[...])
 
 
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
@@ -306,9 +348,54 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
               rng: jax.Array | None = None) -> jax.Array:
     model = nnx.merge(graphdef, params)
     tokens = batch["tokens"]
+    chunk = model.config.loss_chunk
+    if chunk is not None:
+      h = model.hidden(tokens[:, :-1], rng=rng)
+      return chunked_cross_entropy(h, model.head[...], tokens[:, 1:], chunk)
     logits = model(tokens[:, :-1], rng=rng)
     losses = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), tokens[:, 1:])
     return losses.mean()
 
   return loss_fn
+
+
+def chunked_cross_entropy(h: jax.Array, head: jax.Array, labels: jax.Array,
+                          chunk: int) -> jax.Array:
+  """The mean cross-entropy of ``(h @ head)`` against ``labels``, ``chunk``
+  tokens at a time.
+
+  The same value as computing the float32 logits whole, but they (and, in
+  backward, their gradient) exist one chunk at a time: a scan over chunks
+  whose body is rematerialized. At the 1.3B GPT's batch 16 x 1024 and
+  vocabulary 50304 the whole logits are 3.3 GB.
+
+  Args:
+    h: hidden states (..., d).
+    head: the output projection (d, vocab).
+    labels: int token ids, ``h``'s shape without ``d``.
+    chunk: tokens per chunk; must divide the number of tokens.
+
+  Raises:
+    ValueError: ``chunk`` does not divide the number of tokens.
+  """
+  d = h.shape[-1]
+  h, labels = h.reshape(-1, d), labels.reshape(-1)
+  n = h.shape[0]
+  if n % chunk:
+    raise ValueError(f"loss_chunk {chunk} must divide the {n} tokens of "
+                     f"the step's batch on each device; e.g. "
+                     f"{math.gcd(n, chunk)}")
+
+  @jax.checkpoint
+  def chunk_loss(h_c, l_c):
+    logits = (h_c @ head).astype(jnp.float32)
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                   l_c))
+
+  # (Per-chunk sums out, no carry: inside shard_map a carry would have to
+  # be typed device-varying like h.)
+  _, sums = jax.lax.scan(lambda _, xs: (None, chunk_loss(*xs)), None,
+                         (h.reshape(n // chunk, chunk, d),
+                          labels.reshape(n // chunk, chunk)))
+  return jnp.sum(sums) / n
