@@ -1,24 +1,18 @@
 """ZeroConfig(remat="auto"): the fastest policy whose compiled step fits,
 chosen by compiling (for an H100, no GPU needed)."""
 
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
 import optax
-import pytest
 from flax import nnx
 
 import zero_jax as zj
+from tests._gpu import compiles_for_gpus
 from zero_jax import aot
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
 
-if importlib.util.find_spec("jax_cuda12_plugin") is None:
-  if os.environ.get("ZERO_JAX_REQUIRE_GPU_COMPILE"):
-    raise ImportError("JAX's CUDA plugin is missing: " + aot.INSTALL_HINT)
-  pytest.skip("JAX's CUDA plugin is not installed: " + aot.INSTALL_HINT,
-              allow_module_level=True)
+pytestmark = compiles_for_gpus
 
 
 def _engine(budget=None):

@@ -8,8 +8,6 @@ memory and communication claims are made on steps compiled for 8 H100s
 """
 
 import functools
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +17,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
+from tests._gpu import compiles_for_gpus
 from zero_jax import aot, hlo
 from zero_jax.models.loop_gpt import loop_gpt
 
@@ -168,11 +167,6 @@ def test_units_are_found_named_or_off_and_described():
 
 # ------------------------------------------------ compiled for 8 H100s
 
-_GPU = importlib.util.find_spec("jax_cuda12_plugin") is not None
-if not _GPU and os.environ.get("ZERO_JAX_REQUIRE_GPU_COMPILE"):
-  raise ImportError("JAX's CUDA plugin is missing: " + aot.INSTALL_HINT)
-_gpu_only = pytest.mark.skipif(not _GPU, reason="JAX's CUDA plugin is not "
-                               "installed (Linux only): " + aot.INSTALL_HINT)
 # 8 blocks of width 128: Ψ = 1.7M, activations small beside the gathers.
 _SHAPE = dict(vocab=256, d=128, heads=4, layers=8)
 
@@ -187,7 +181,7 @@ def _h100(framework, stage, scanned=False):
   return aot.compile_step(engine, jax.eval_shape(lambda: params), batch)
 
 
-@_gpu_only
+@compiles_for_gpus
 @pytest.mark.parametrize("framework", ["nnx", "linen"])
 def test_loop_written_stage3_holds_one_block_at_a_time(framework):
   s1, s2, s3 = (_h100(framework, s).memory.temp for s in (1, 2, 3))
@@ -205,7 +199,7 @@ def _flat(tree):
   return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
-@_gpu_only
+@compiles_for_gpus
 def test_each_block_is_gathered_twice_and_scattered_once():
   c = _h100("nnx", 3)
   _, params = setup("nnx", **_SHAPE)

@@ -1,8 +1,6 @@
 """The reference GPT's speed features: cuDNN attention where the step is
 compiled for an NVIDIA GPU (CPU programs unchanged) and the chunked loss."""
 
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +11,7 @@ from flax import nnx
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax import aot
+from tests._gpu import compiles_for_gpus
 from zero_jax.estimate import compile_gpt
 from zero_jax.memory import compiled_memory
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
@@ -36,11 +34,8 @@ def test_default_attention_is_unchanged_on_cpu(dtype):
                                 _forward("einsum", dtype))
 
 
+@compiles_for_gpus
 def test_default_gpt_calls_cudnn_attention_when_compiled_for_an_h100():
-  if importlib.util.find_spec("jax_cuda12_plugin") is None:
-    if os.environ.get("ZERO_JAX_REQUIRE_GPU_COMPILE"):
-      raise ImportError("JAX's CUDA plugin is missing: " + aot.INSTALL_HINT)
-    pytest.skip("JAX's CUDA plugin is not installed: " + aot.INSTALL_HINT)
   shape = dict(layers=2, hidden=256, heads=4, vocab=512, seq_len=128,
                micro_batch=4)
   _, auto = compile_gpt("h100", 1, 3, attention="auto", **shape)

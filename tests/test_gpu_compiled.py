@@ -10,7 +10,6 @@ real H100 80GB's (jax 0.11.2, 2026-11-23).
 import functools
 import importlib.util
 import math
-import os
 import re
 
 import jax
@@ -19,17 +18,12 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
+from tests._gpu import compiles_for_gpus
 from zero_jax import aot, initial, stream
 from zero_jax.estimate import compile_gpt, main
 from zero_jax.memory import param_count
 
-if importlib.util.find_spec("jax_cuda12_plugin") is None:
-  # A missing backend, never a missing feature: CI sets the variable and
-  # installs the plugin through the test extra.
-  if os.environ.get("ZERO_JAX_REQUIRE_GPU_COMPILE"):
-    raise ImportError("JAX's CUDA plugin is missing: " + aot.INSTALL_HINT)
-  pytest.skip("JAX's CUDA plugin is not installed (Linux only): "
-              + aot.INSTALL_HINT, allow_module_level=True)
+pytestmark = compiles_for_gpus
 
 N = 8
 GIB = 2 ** 30
