@@ -4,7 +4,10 @@ The data is the source of the standard library's top-level modules, read
 from the local Python install (no downloads), as bytes (vocabulary 256).
 After training it reports the validation loss and a greedy sample, then
 compiles the same train step at ZeRO stages 0-3 and compares each stage's
-per-device train-state bytes with the paper's formula.
+per-device train-state bytes with the paper's formula. On one device, where
+every stage holds the whole state, it also prints that table for the step
+compiled for 8 H100s (compile-only devices from ``zero_jax.aot``: no GPU
+needed), where the stages shard it.
 
 On a machine without an accelerator, 8 CPU devices are simulated::
 
@@ -41,9 +44,10 @@ import optax
 from flax import nnx
 
 import zero_jax as zj
+from zero_jax import aot
 from zero_jax import metrics as zm
-from zero_jax.memory import (compiled_memory, paper_model_state_bytes,
-                             param_count, per_device_bytes)
+from zero_jax.memory import (paper_model_state_bytes, param_count,
+                             per_device_bytes)
 from zero_jax.mesh import DATA
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
 
@@ -225,19 +229,34 @@ def mib(n: float) -> str:
   return f"{n / 2**20:.2f}"
 
 
-def memory_table(loss_fn, tx, params, batch, mesh, config,
+MEMORY_NOTE = (
+    "state (measured) = compiled argument bytes (device + host) - batch "
+    "bytes; "
+    "state (estimate) = zero_jax.estimate_memory (params + optimizer "
+    "state).\n"
+    "paper = the paper's formula (fp32: 4Ψ params + 4Ψ grads + 8Ψ Adam; "
+    "with a compute dtype: 2Ψ + 2Ψ + 12Ψ) split per stage; "
+    "gradients are step temporaries here, so they show up in temp, not "
+    "in the state.")
+
+
+def memory_table(loss_fn, tx, params, batch, mesh, config, title,
                  plot_path=None) -> None:
-  """Compiles the step at every stage and prints per-device memory."""
+  """Compiles the step at every stage on ``mesh`` from the shapes of
+  ``params`` and ``batch`` (``zero_jax.aot.compile_step``: any mesh, real or
+  compile-only devices) and prints per-device memory."""
   n = mesh.shape[DATA]
   psi = param_count(params)
+  shapes = jax.eval_shape(lambda p: p, params)  # nothing is placed
   rows = []
   for stage in range(4):
     engine = zj.Engine(loss_fn, tx, dataclasses.replace(config, stage=stage),
                        mesh)
-    state = engine.init(params)
-    compiled = engine.step.lower(state, batch).compile()
-    mem = compiled_memory(compiled)
-    measured = mem.argument - per_device_bytes(engine.shard_batch(batch))
+    mem = aot.compile_step(engine, shapes, batch).memory
+    # Less the batch's bytes on one device (as the step lays it out); plus
+    # offloaded state, which GPUs keep in host memory, outside `argument`.
+    batch_bytes = per_device_bytes(aot.abstract_batch(engine, batch))
+    measured = mem.argument + mem.host - batch_bytes
     # The paper's mixed-precision formula (2-byte params and grads, K = 12)
     # with a compute dtype, its fp32 form (4, 4, K = 8) without.
     low = config.compute_dtype is not None
@@ -251,11 +270,9 @@ def memory_table(loss_fn, tx, params, batch, mesh, config,
         compute_dtype=config.compute_dtype, replica=mesh.size // n,
         replicated=engine.param_plan.replicated_elements)
     rows.append((stage, measured, est.persistent, paper, mem.temp, mem.peak))
-    for x in jax.tree.leaves(state):
-      x.delete()
 
-  print(f"\nPer-device memory of the compiled train step, Ψ = {psi:,} "
-        f"parameters, N = {n} devices (MiB)")
+  print(f"\nPer-device memory of the {title}, Ψ = {psi:,} parameters, "
+        f"N = {n} devices (MiB)")
   head = (f"{'stage':>5} | {'Ψ':>9} | {'state (measured)':>16} | "
           f"{'state (estimate)':>16} | {'paper':>10} | {'ratio':>5} | "
           f"{'temp':>7} | {'peak':>7}")
@@ -265,13 +282,6 @@ def memory_table(loss_fn, tx, params, batch, mesh, config,
     print(f"{stage:>5} | {psi:>9,} | {mib(measured):>16} | {mib(estimate):>16} "
           f"| {mib(paper):>10} | {measured / paper:>5.2f} | {mib(temp):>7} | "
           f"{mib(peak):>7}")
-  print("state (measured) = compiled argument bytes - batch bytes; "
-        "state (estimate) = zero_jax.estimate_memory (params + optimizer "
-        "state).\n"
-        "paper = the paper's formula (fp32: 4Ψ params + 4Ψ grads + 8Ψ Adam; "
-        "with a compute dtype: 2Ψ + 2Ψ + 12Ψ) split per stage; "
-        "gradients are step temporaries here, so they show up in temp, not "
-        "in the state.")
 
   if plot_path:
     import matplotlib  # pylint: disable=g-import-not-at-top
@@ -458,7 +468,27 @@ def main() -> None:
         "without the launcher)")
   elif not args.skip_memory_table:
     batch = get_batch(train_data, batch_size, args.seq_len, np_rng)
-    memory_table(loss_fn, tx, params, batch, mesh, zero_config, args.plot)
+    # The global batch stays fixed; the per-device batch follows the mesh.
+    table_config = dataclasses.replace(
+        zero_config, train_batch_size=batch_size, micro_batch_size=None,
+        grad_accum_steps=engine.grad_accum_steps)
+    memory_table(loss_fn, tx, params, batch, mesh, table_config,
+                 "compiled train step", args.plot)
+    # On one device every stage holds everything: compile the same step for
+    # 8 GPUs (compile-only devices, no GPU needed) to see ZeRO shard it.
+    if n == 1 and batch_size % (8 * engine.grad_accum_steps):
+      say(f"(8 x H100 table skipped: the global batch {batch_size} does not "
+          f"split into 8 devices x {engine.grad_accum_steps} micro-batch(es))")
+    elif n == 1:
+      try:
+        h100 = aot.gpu_mesh("h100", 8)
+      except ImportError as e:
+        say(f"(8 x H100 table skipped: {e})")
+      else:
+        memory_table(loss_fn, tx, params, batch, h100, table_config,
+                     "train step compiled for 8 x H100 (compile-only: "
+                     "zero_jax.aot)")
+    say(MEMORY_NOTE)
   say(f"\ntotal {time.perf_counter() - t_start:.1f}s")
 
 

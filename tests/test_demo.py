@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 import zero_jax as zj
+from tests._gpu import compiles_for_gpus
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A migrating user's config, as shipped in examples/: stage 2, fp16 with
@@ -19,8 +21,10 @@ with open(os.path.join(_ROOT, "examples", "ds_config.json")) as _f:
   DEEPSPEED = json.load(_f)
 
 
-def _run_demo(tmp_path, config, devices, steps=4, *extra):
+def _run_demo(tmp_path, config, devices, steps=4, *extra, table=False):
   args = ["--devices", str(devices), *extra]
+  if not table:
+    args.append("--skip-memory-table")
   if config is not None:
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
@@ -30,8 +34,7 @@ def _run_demo(tmp_path, config, devices, steps=4, *extra):
   out = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "examples", "train_gpt.py"),
        *args, "--steps", str(steps), "--d-model", "32", "--layers", "1",
-       "--heads", "2", "--seq-len", "16", "--skip-memory-table",
-       "--log-jsonl", str(log)],
+       "--heads", "2", "--seq-len", "16", "--log-jsonl", str(log)],
       env=env, capture_output=True, text=True, timeout=300)
   return out, log
 
@@ -97,3 +100,36 @@ def test_the_gpu_preset_runs_on_cpu_at_a_shrunk_size(tmp_path):
   assert "loss_chunk=16" in out.stdout
   rows = [json.loads(line) for line in log.read_text().splitlines()]
   assert [r["step"] for r in rows] == [1, 2] and 0 < rows[-1]["loss"] < 10
+
+
+def _tables(stdout):
+  """{title: [state (measured) MiB at stages 0-3]} of the printed tables."""
+  tables, title = {}, None
+  for line in stdout.splitlines():
+    if line.startswith("Per-device memory of the "):
+      title = line
+      tables[title] = []
+    elif title and re.match(r"\s+\d \|", line):
+      tables[title].append(float(line.split("|")[2]))
+  return tables
+
+
+@compiles_for_gpus
+def test_on_one_device_the_table_is_also_compiled_for_8_h100s(tmp_path):
+  # One device: every stage holds the whole state, so the demo compiles the
+  # same step for 8 compile-only H100s (zero_jax.aot), where ZeRO shards it.
+  out, _ = _run_demo(tmp_path, None, 1, 2, "--batch-size", "16",
+                     table=True)
+  assert out.returncode == 0, out.stdout + out.stderr
+  tables = _tables(out.stdout)
+  (one,) = [v for k, v in tables.items() if "N = 1 devices" in k]
+  (h100,) = [v for k, v in tables.items()
+             if "compiled for 8 x H100 (compile-only: zero_jax.aot)" in k
+             and "N = 8 devices" in k]
+  assert len(one) == 4 and len(set(one)) == 1, one
+  assert len(h100) == 4, h100
+  # Stage 0 replicates everything, as on one device; each stage then shards
+  # more (stages 1 and 2 hold the same state: gradients are temporaries).
+  assert h100[0] == one[0]
+  assert h100[0] > h100[1] >= h100[2] > h100[3], h100
+  assert h100[3] < h100[0] / 4, h100

@@ -12,6 +12,7 @@ from flax import nnx
 import zero_jax as zj
 from tests import _models as m
 from tests._gpu import compiles_for_gpus
+from zero_jax import aot
 from zero_jax.estimate import compile_gpt
 from zero_jax.memory import compiled_memory
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
@@ -72,6 +73,38 @@ def test_chunked_loss_equals_the_plain_one_and_lowers_the_peak():
                           jnp.zeros((16, 64), jnp.int32), 100)
 
 
+def _head_matmuls(jaxpr, vocab):
+  """dot_generals with a vocabulary-sized operand or result, nested
+  jaxprs (scan bodies, custom_vjp rules) included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general" and any(
+        vocab in getattr(v.aval, "shape", ())
+        for v in (*eqn.invars, *eqn.outvars)):
+      n += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          n += _head_matmuls(sub, vocab)
+  return n
+
+
+def test_chunked_loss_does_not_run_the_head_again():
+  # The whole loss: the head's matmul forward and its two transposes. The
+  # chunked one fuses the gradients into forward: the same three (a remat'd
+  # chunk would run the forward matmul again in backward: four).
+  counts = []
+  for chunk in (None, 128):
+    loss_fn, params, batch = _loss_setup(chunk)
+    counts.append(_head_matmuls(jax.make_jaxpr(jax.value_and_grad(
+        loss_fn))(params, batch).jaxpr, 2048))
+  assert counts == [3, 3]
+  # Evaluated without gradients: the forward matmul alone.
+  assert _head_matmuls(jax.make_jaxpr(loss_fn)(params, batch).jaxpr,
+                       2048) == 1
+
+
 def test_chunked_loss_trains_exactly_at_stage_3():
   loss_fn, params, batch = _loss_setup(64)
   tx = optax.adamw(1e-3)
@@ -85,3 +118,30 @@ def test_chunked_loss_trains_exactly_at_stage_3():
     state, metrics = engine.step(state, batch)
     losses.append(float(metrics["loss"]))
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+@compiles_for_gpus
+def test_gpt_config_remat_sets_the_policy_without_an_engine():
+  # Plain jax.jit at a policy an engine would use (the GPU benchmark's
+  # baseline): cuDNN's forward runs once with the attention kept, twice
+  # with full remat (the default outside an engine).
+  device = aot.gpu_devices("h100", 1)[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  counts = {}
+  for remat in (None, "dots_attention_saveable"):
+    cfg = GPTConfig(vocab_size=512, seq_len=256, d_model=128, n_layers=2,
+                    n_heads=4, remat=remat)
+    graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16,
+                                       sharding=sharding), params)
+    batch = {"tokens": jax.ShapeDtypeStruct((4, 257), jnp.int32,
+                                            sharding=sharding)}
+    hlo = jax.jit(jax.grad(make_loss_fn(graphdef))).lower(
+        shapes, batch).compile().as_text()
+    counts[remat] = hlo.count('custom_call_target="__cudnn$fmhaSoftmax"')
+  assert counts == {None: 2, "dots_attention_saveable": 1}
+  with pytest.raises(ValueError, match="auto is chosen by an engine"):
+    GPTConfig(remat="auto")
+  with pytest.raises(ValueError, match="GPTConfig.remat must be None or"):
+    GPTConfig(remat="most")

@@ -47,9 +47,12 @@ class ZeroConfig:
       nothing, recompute the layer and re-gather its parameters in backward;
       the default), ``"none"`` (keep everything, including stage 3's gathered
       parameters), ``"dots_saveable"`` (keep matmul outputs, not gathered
-      parameters), ``"save_only_named"`` (keep the activations tagged with
-      ``zero_jax.checkpoint_name`` for a name in ``remat_names``) or
-      ``"offload_to_host"`` (move those to host memory until backward).
+      parameters), ``"attention_saveable"`` (keep cuDNN flash attention's
+      outputs and statistics), ``"dots_attention_saveable"`` (both),
+      ``"save_only_named"`` (keep the activations tagged with
+      ``zero_jax.checkpoint_name`` for a name in ``remat_names``),
+      ``"offload_to_host"`` (move those to host memory until backward) or
+      ``"auto"`` (the fastest that fits the device; ``zero_jax.auto_remat``).
     remat_names: the ``checkpoint_name`` tags the named policies act on.
     device_memory_bytes: the memory per device ``remat="auto"`` fits the
       compiled step into (None: what the device reports;

@@ -433,7 +433,8 @@ def _check_config(parser: argparse.ArgumentParser,
     parser.error(
         f"--remat {args.remat} needs checkpoint names (ZeroConfig."
         "remat_names), which the command line cannot give: use --remat "
-        "full, none or dots_saveable with --compile")
+        "full, none, dots_saveable, attention_saveable or "
+        "dots_attention_saveable with --compile")
   for stage in _stages(args):
     try:
       ZeroConfig(

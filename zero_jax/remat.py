@@ -17,6 +17,12 @@ REMAT_POLICIES: dict[str, str] = {
             "parameters) in backward",
     "dots_saveable": "keep matmul outputs without batch dims, recompute the "
                      "rest",
+    "attention_saveable": "keep fused attention's outputs and softmax "
+                          "statistics (cuDNN's flash attention, so backward "
+                          "does not run its forward again), recompute the "
+                          "rest",
+    "dots_attention_saveable": "dots_saveable and attention_saveable "
+                               "together",
     "save_only_named": "keep only activations tagged with "
                        "checkpoint_name(x, name) for a name in remat_names",
     "offload_to_host": "move activations tagged with a name in remat_names "
@@ -27,8 +33,22 @@ REMAT_POLICIES: dict[str, str] = {
             "(zero_jax.auto_remat); full outside an engine",
 }
 
-# What remat="auto" tries, fastest (most kept) first.
-AUTO_CANDIDATES = ("none", "dots_saveable", "full")
+# What remat="auto" tries, fastest (most kept) first. Matmuls are most of
+# what a transformer recomputes, attention's forward the costliest rest; its
+# outputs are small (B x T x d plus B x H x T statistics per layer).
+# (dots_saveable is left out: it keeps almost as much as
+# dots_attention_saveable and recomputes more.)
+AUTO_CANDIDATES = ("none", "dots_attention_saveable", "attention_saveable",
+                   "full")
+
+# The primitive of jax.nn.dot_product_attention's cuDNN forward (jax 0.10 to
+# 0.12), whose outputs are the attention's output and softmax statistics:
+# what its backward kernel needs besides q, k, v.
+_FUSED_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
+
+
+def _attention_saveable(prim: Any, *_, **__) -> bool:
+  return prim.name == _FUSED_ATTENTION_FORWARD
 
 # Policies that act on activations tagged with ``checkpoint_name``.
 NAMED_POLICIES = ("save_only_named", "offload_to_host")
@@ -66,6 +86,11 @@ def remat_policy(name: str, names: tuple[str, ...] = ()) -> Any:
     return cp.nothing_saveable
   if name == "dots_saveable":
     return cp.dots_with_no_batch_dims_saveable
+  if name == "attention_saveable":
+    return _attention_saveable
+  if name == "dots_attention_saveable":
+    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                      _attention_saveable)
   if name == "save_only_named":
     return cp.save_only_these_names(*names)
   return cp.save_and_offload_only_these_names(
