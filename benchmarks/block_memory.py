@@ -22,6 +22,8 @@ import zero_jax as zj
 from zero_jax import aot
 from zero_jax.models.loop_gpt import loop_gpt
 
+from _report import emit  # benchmarks/_report.py, beside this script
+
 VOCAB, D, HEADS, LAYERS, BATCH, SEQ = 512, 256, 4, 8, 32, 64
 
 
@@ -58,10 +60,7 @@ def main() -> None:
           f"blocks, {HEADS} heads, vocabulary {VOCAB}, batch {BATCH} x "
           f"{SEQ}, bf16 compute, fp32 AdamW, compiled for 8 H100s "
           f"(jax {jax.__version__}).\n\n" + "\n".join(rows) + "\n")
-  print(text)
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      f.write(text)
+  emit(text, args.out)
 
 
 if __name__ == "__main__":

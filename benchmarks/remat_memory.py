@@ -25,6 +25,8 @@ import zero_jax as zj
 from zero_jax import aot
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
 
+from _report import emit  # benchmarks/_report.py, beside this script
+
 # name: (d_model, n_layers, n_heads)
 SIZES = {"125m": (768, 12, 12), "1.3b": (2048, 24, 16)}
 BATCH, SEQ, VOCAB = 16, 1024, 50304
@@ -86,10 +88,7 @@ def main() -> None:
           f"(jax {jax.__version__}). Chunked: `loss_chunk=1024`.\n\n"
           + "\n".join(rows) + "\n\n`remat=\"auto\"` (chunked loss):\n\n"
           + "\n".join(picks) + "\n")
-  print(text)
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      f.write(text)
+  emit(text, args.out)
 
 
 if __name__ == "__main__":
