@@ -105,6 +105,24 @@ def test_chunked_loss_does_not_run_the_head_again():
                        2048) == 1
 
 
+def test_chunked_loss_gradients_in_float16_with_a_loss_scale():
+  # float16 compute, the loss scaled as the engine scales it: the chunked
+  # loss's gradients are the whole loss's, to float16 rounding (the mean's
+  # 1/n taken before the matmuls would underflow them).
+  grads = []
+  for chunk in (None, 256):
+    loss_fn, params, _ = _loss_setup(chunk)
+    tokens = np.random.default_rng(1).integers(0, 2048, (64, 65),
+                                               dtype=np.int32)
+    half = jax.tree.map(lambda x: x.astype(jnp.float16), params)
+    grads.append(jax.jit(jax.grad(
+        lambda p: loss_fn(p, {"tokens": tokens}) * 1024.0))(half))
+  for g, c in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+    assert c.dtype == jnp.float16
+    g, c = np.asarray(g, np.float32), np.asarray(c, np.float32)
+    assert np.abs(c - g).max() <= 2e-3 * np.abs(g).max()
+
+
 def test_chunked_loss_trains_exactly_at_stage_3():
   loss_fn, params, batch = _loss_setup(64)
   tx = optax.adamw(1e-3)

@@ -435,7 +435,6 @@ def _fused_cross_entropy(h: jax.Array, head: jax.Array,
 
 
 def _fused_forward(h, head, labels):
-  n = h.shape[0] * h.shape[1]
   axes = varying_axes(h)
 
   def body(dhead, xs):
@@ -444,23 +443,30 @@ def _fused_forward(h, head, labels):
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     loss = jnp.sum(lse[:, 0] - jnp.take_along_axis(
         logits, l_c[:, None], axis=-1)[:, 0])
-    # d(mean loss)/d logits = (softmax - one_hot) / n, in the compute dtype
-    # as autodiff of the whole logits would give it.
-    dlogits = ((jnp.exp(logits - lse) - jax.nn.one_hot(
-        l_c, logits.shape[-1], dtype=jnp.float32)) / n).astype(h.dtype)
+    # d(sum of losses)/d logits = softmax - one_hot, in the compute dtype as
+    # autodiff would give it. The mean's 1/n and the loss scale come in
+    # backward: taken here, 1/n would underflow float16 (and the loss
+    # scale is there to prevent that).
+    dlogits = (jnp.exp(logits - lse) - jax.nn.one_hot(
+        l_c, logits.shape[-1], dtype=jnp.float32)).astype(h.dtype)
     dh_c = dlogits @ head.T
+    # (Summed over every token: float32, or float16 could overflow.)
     dhead = dhead + jnp.dot(h_c.T, dlogits,
                             preferred_element_type=jnp.float32)
     return dhead, (loss, dh_c)
 
   zero = _vary(jnp.zeros(head.shape, jnp.float32), axes)
   dhead, (sums, dh) = jax.lax.scan(body, zero, (h, labels))
-  return jnp.sum(sums) / n, (dh, dhead.astype(head.dtype))
+  # (A zero-size array carries head's dtype to backward.)
+  return (jnp.sum(sums) / (h.shape[0] * h.shape[1]),
+          (dh, dhead, jnp.zeros((0,), head.dtype)))
 
 
 def _fused_backward(residuals, g):
-  dh, dhead = residuals
-  return (dh * g.astype(dh.dtype), dhead * g.astype(dhead.dtype), None)
+  dh, dhead, head_like = residuals
+  scale = g.astype(jnp.float32) / (dh.shape[0] * dh.shape[1])
+  return ((dh.astype(jnp.float32) * scale).astype(dh.dtype),
+          (dhead * scale).astype(head_like.dtype), None)
 
 
 _fused_cross_entropy.defvjp(_fused_forward, _fused_backward)
