@@ -95,7 +95,8 @@ class Run:
   """One measurement: a model size trained in one mode.
 
   ``remat`` is a ``ZeroConfig.remat`` name; the baseline's ``"auto"``
-  becomes what zero_jax chose for the same size just before it.
+  becomes what zero_jax chose for the same size just before it (``"full"``
+  if zero_jax did not train; the table shows which).
   """
 
   size: str
@@ -321,8 +322,8 @@ def write_results(results: list[dict], out_dir: str) -> None:
       f"{k} {r[k]}" for r in ok for k in ("jax", "torch") if r.get(k)))
   lines = [f"# zero_jax GPU benchmark: {device}", "",
            f"`PYTHONPATH=. python benchmarks/gpu_bench.py` ({versions}); GPT "
-           "(vocabulary 50304; 256 with --tiny), bf16 compute, fp32 master and AdamW state, "
-           "one device. JAX: attention, remat and loss chunk as in the "
+           "(vocabulary 50304; 256 with --tiny), bf16 compute, fp32 master "
+           "and AdamW state, one device. JAX: attention, remat and loss chunk as in the "
            "columns (attention auto: cuDNN's flash attention on an NVIDIA "
            "GPU). torch: SDPA attention, bf16 autocast. MFU = (6Ψ + "
            "12·L·T·d) x tokens/s / bf16 peak. Memory: the compiled step's "
@@ -420,6 +421,12 @@ def main() -> None:
   if args.loss_chunk is None:
     args.loss_chunk = 16 if args.tiny else 1024
 
+  if not args.dry_run:
+    # (Here, not in argparse's choices: --dry-run does not import jax.)
+    from zero_jax.remat import REMAT_POLICIES  # pylint: disable=g-import-not-at-top
+    if args.remat not in REMAT_POLICIES:
+      p.error(f"--remat {args.remat!r}: choose one of "
+              f"{', '.join(sorted(REMAT_POLICIES))}")
   plans = plan_runs(args)
   chosen = [n for n in plans if args.plan in (n, "all")]
   if args.dry_run:

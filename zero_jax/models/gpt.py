@@ -426,8 +426,7 @@ def _chunk_logits(h_c: jax.Array, head: jax.Array) -> jax.Array:
 def _fused_cross_entropy(h: jax.Array, head: jax.Array,
                          labels: jax.Array) -> jax.Array:
   """Mean cross-entropy of chunked ``h`` (chunks, chunk, d)."""
-  # (Per-chunk sums out, no carry: inside shard_map a carry would have to
-  # be typed device-varying like h.)
+  # (The loss alone, for evaluation: per-chunk sums, no carry.)
   sums = jax.lax.map(
       lambda xs: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(
           _chunk_logits(xs[0], head), xs[1])), (h, labels))
