@@ -11,13 +11,12 @@ import os
 
 import pytest
 
-from zero_jax import aot
-
+from zero_jax import analysis
 AVAILABLE = importlib.util.find_spec("jax_cuda12_plugin") is not None
 if not AVAILABLE and os.environ.get("ZERO_JAX_REQUIRE_GPU_COMPILE"):
-  raise ImportError("JAX's CUDA plugin is missing: " + aot.INSTALL_HINT)
+  raise ImportError("JAX's CUDA plugin is missing: " + analysis.INSTALL_HINT)
 
 # Marks a test (or, as ``pytestmark``, a module) that compiles for GPUs.
 compiles_for_gpus = pytest.mark.skipif(
     not AVAILABLE, reason="JAX's CUDA plugin is not installed (Linux only): "
-    + aot.INSTALL_HINT)
+    + analysis.INSTALL_HINT)

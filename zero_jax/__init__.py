@@ -1,82 +1,91 @@
 """zero_jax: ZeRO (stages 0-3) for JAX as layouts plus explicit collectives.
 
-The modules by role, in the order data flows through them:
+The subpackages, in the order data flows through them:
 
-- configuration: ``config`` (``ZeroConfig``), ``deepspeed`` and
-  ``deepspeed_keys`` (DeepSpeed JSON in), ``remat`` (policy names);
-- layout: ``mesh`` (the ``data`` axis), ``plan`` (which dimension of each
-  leaf is split), ``placement`` (where master, moments and the compute copy
-  live, where the update runs: derived once from the config);
-- state: ``state`` (``TrainState``), ``initial`` (building it),
-  ``loss_scale`` (float16's scale and the skip count);
-- the step: ``engine`` (lays out state, builds the step), ``step`` (the
-  jitted step and its deferred checks), ``checks`` (state and batch
-  validation), ``grads`` (loss and gradients per stage family),
-  ``materialize`` (gather / gather-from / scatter: the one choice, shared
-  with ``layers`` and ``flax_layers``, per-layer scans, and ``blocks``,
-  blocks called in a loop), ``collectives``,
-  ``update`` (unscale, norm, skip, clip, the optimizer update), ``stream``
-  and ``separable`` (offloaded state updated slice by slice),
-  ``host_update`` (the update as a program on the host's CPU devices);
-- runtime: ``checkpoint`` (with ``checkpoint_compat``, ``checkpoint_files``,
-  ``checkpoint_export``), ``distributed``, ``failfast``, ``launch``,
-  ``metrics``, ``progress``;
-- analysis: ``memory``, ``comm``, ``measure`` (with ``_checks``),
-  ``estimate`` (the command line), ``aot`` (compiling for GPUs without
-  one), ``hlo`` (collectives in compiled HLO), ``models`` (the reference
-  GPT).
+- ``config``: ``ZeroConfig`` and the DeepSpeed JSON reader;
+- ``layout``: the mesh, the plan (which dimension of each leaf is split over
+  ``data``) and the placement (where each part of the state lives);
+- ``materialize``: how a shard becomes a whole parameter inside
+  ``shard_map``, and its gradient a shard again;
+- ``layers``: per-layer ZeRO inside the model (``scan_layers``, ``layer``,
+  the Flax adapters, the blocks found by themselves);
+- ``offload``: updating state that lives in host memory;
+- ``train``: the ``Engine``, its ``Layout`` and ``TrainState``, the jitted
+  step;
+- ``checkpoint``: orbax checkpoints that restore into any layout;
+- ``distributed``: multi-process runs and the launcher;
+- ``analysis``: estimated and measured memory and communication, and
+  compiling for GPUs without one;
+- ``metrics``: throughput, MFU, progress and logs;
+- ``models``: the reference GPT.
+
+The names below are the API most scripts need. Importing ``zero_jax`` loads
+nothing else, not even JAX (which sets environment variables of its own when
+imported): each name and subpackage is loaded on first use.
 """
 
-import importlib as _importlib
-import warnings as _warnings
+from __future__ import annotations
 
-from zero_jax import distributed, metrics
-from zero_jax.blocks import layer
-from zero_jax.checkpoint import (CheckpointWriteError, Checkpointer,
-                                 export_params, load_params)
-from zero_jax.config import ZeroConfig
-from zero_jax.deepspeed import from_deepspeed
-from zero_jax.engine import Engine, TrainState
-from zero_jax.flax_layers import scan_linen, scan_nnx
-from zero_jax.loss_scale import LossScaleState
-from zero_jax.layers import REMAT_POLICIES, checkpoint_name, scan_layers
-from zero_jax.memory import (estimate_activations, estimate_comm,
-                             estimate_memory)
-from zero_jax.mesh import make_mesh
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "CheckpointWriteError",
-    "Checkpointer",
-    "Engine",
-    "LossScaleState",
-    "REMAT_POLICIES",
-    "TrainState",
-    "ZeroConfig",
-    "checkpoint_name",
-    "distributed",
-    "estimate_activations",
-    "estimate_comm",
-    "estimate_memory",
-    "export_params",
-    "from_deepspeed",
-    "layer",
-    "load_params",
-    "make_mesh",
-    "metrics",
-    "scan_layers",
-    "scan_linen",
-    "scan_nnx",
-]
+# Public name -> the subpackage that defines it.
+_NAMES = {
+    "CheckpointWriteError": "checkpoint",
+    "Checkpointer": "checkpoint",
+    "Engine": "train",
+    "Layout": "train",
+    "LossScaleState": "train",
+    "REMAT_POLICIES": "config",
+    "RematPolicy": "config",
+    "TrainState": "train",
+    "ZeroConfig": "config",
+    "checkpoint_name": "layers",
+    "estimate_activations": "analysis",
+    "estimate_comm": "analysis",
+    "estimate_memory": "analysis",
+    "export_params": "checkpoint",
+    "from_deepspeed": "config",
+    "layer": "layers",
+    "load_params": "checkpoint",
+    "make_mesh": "layout",
+    "scan_layers": "layers",
+    "scan_linen": "layers",
+    "scan_nnx": "layers",
+    "simulate_cpu_devices": "layout",
+}
+_SUBPACKAGES = ("analysis", "checkpoint", "config", "distributed", "layers",
+                "layout", "materialize", "metrics", "models", "offload",
+                "train")
 
-# Internals that were exported before; each warns for one release.
-_MOVED = {"Plan": "zero_jax.plan", "LeafPlan": "zero_jax.plan",
-          "plan_leaf": "zero_jax.plan", "remat_policy": "zero_jax.remat"}
+__all__ = sorted([*_NAMES, "analysis", "distributed", "metrics", "models"])
 
 
-def __getattr__(name: str):
-  if name in _MOVED:
-    _warnings.warn(f"zero_jax.{name} is internal and leaves the top-level API "
-                   f"in the next release: use {_MOVED[name]}.{name}",
-                   DeprecationWarning, stacklevel=2)
-    return getattr(_importlib.import_module(_MOVED[name]), name)
-  raise AttributeError(f"module 'zero_jax' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+  if name in _NAMES:
+    value = getattr(importlib.import_module(f"zero_jax.{_NAMES[name]}"), name)
+  elif name in _SUBPACKAGES:
+    value = importlib.import_module(f"zero_jax.{name}")
+  else:
+    raise AttributeError(f"module 'zero_jax' has no attribute {name!r}")
+  globals()[name] = value  # (loaded once)
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_NAMES) | set(_SUBPACKAGES))
+
+
+if TYPE_CHECKING:  # (what the names are, for type checkers and IDEs)
+  from zero_jax import (analysis, checkpoint, config, distributed, layers,
+                        layout, materialize, metrics, models, offload, train)
+  from zero_jax.analysis import (estimate_activations, estimate_comm,
+                                 estimate_memory)
+  from zero_jax.checkpoint import (CheckpointWriteError, Checkpointer,
+                                   export_params, load_params)
+  from zero_jax.config import (REMAT_POLICIES, RematPolicy, ZeroConfig,
+                               from_deepspeed)
+  from zero_jax.layers import (checkpoint_name, layer, scan_layers,
+                               scan_linen, scan_nnx)
+  from zero_jax.layout import make_mesh, simulate_cpu_devices
+  from zero_jax.train import Engine, Layout, LossScaleState, TrainState

@@ -6,17 +6,9 @@ The rest of the library calls these helpers and never tests
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
-def is_compile_only(device: jax.Device) -> bool:
-  """True for devices that can compile but not run, e.g. those of
-  ``jax.experimental.topologies`` (a GPU described, not present): they have
-  no addressable memories."""
-  try:
-    return not device.addressable_memories()
-  except Exception:  # pylint: disable=broad-except
-    return True
 
 
 def varying_axes(x: Any) -> frozenset[str]:

@@ -1,5 +1,19 @@
-"""Example models for zero_jax."""
+"""Reference models: the GPT the demo, the benchmarks and the estimator use
+(scanned layers), and GPTs written with their blocks in a Python loop."""
 
-from zero_jax.models.gpt import GPT, GPTConfig, make_loss_fn
+from zero_jax.models._gpt import (ATTENTIONS, BLOCK_PARAMS, GPT, GPTConfig,
+                                  block, chunked_cross_entropy, layer_norm,
+                                  make_loss_fn)
+from zero_jax.models._loop_gpt import loop_gpt
 
-__all__ = ["GPT", "GPTConfig", "make_loss_fn"]
+__all__ = [
+    "ATTENTIONS",
+    "BLOCK_PARAMS",
+    "GPT",
+    "GPTConfig",
+    "block",
+    "chunked_cross_entropy",
+    "layer_norm",
+    "loop_gpt",
+    "make_loss_fn",
+]

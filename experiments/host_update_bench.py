@@ -1,0 +1,137 @@
+"""How fast the host updates fp32 AdamW state: XLA:CPU against torch.
+
+ZeRO-Offload's split keeps the fp32 master and Adam moments in host memory
+and updates them on the CPU, so the host's update rate bounds the step.
+This measures the rate of one AdamW update (parameters per second, and per
+core) over ``--params`` fp32 parameters:
+
+- XLA:CPU: zero_jax's host update (``zero_jax.host_update``, the program
+  ``update_on="host"`` runs: ``optax.adamw`` and the cast to the bf16
+  compute copy), the state split over 1 CPU device and over one CPU device
+  per core (each configuration in its own process: the device count is
+  fixed when JAX starts);
+- torch's fused CPU AdamW (``torch.optim.AdamW(fused=True)``) on all cores,
+  the peer (torch is a benchmark-only dependency: skipped if missing).
+
+::
+
+  python benchmarks/host_update_bench.py
+  python benchmarks/host_update_bench.py --params 268435456 --out /tmp/h.md
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def _rate(step, n: int, reps: int) -> float:
+  step()  # compile / warm up
+  t = time.perf_counter()
+  for _ in range(reps):
+    step()
+  return n * reps / (time.perf_counter() - t)
+
+
+def _xla(n: int, devices: int, reps: int) -> float:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count="
+                             f"{devices}")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from zero_jax.offload import HostUpdate  # pylint: disable=g-import-not-at-top
+
+  # The update_on="host" program itself: AdamW over the master split across
+  # the CPU devices, and the new bf16 compute copy cast from it.
+  shapes = {"w": jax.ShapeDtypeStruct((n,), jnp.float32)}
+  host = HostUpdate(optax.adamw(1e-3, weight_decay=0.1), shapes,
+                    jax.devices())
+  master = host.put({"w": np.ones(n, np.float32)})
+  state = [master, host.init(master)]
+  grads = host.put({"w": np.full(n, 1e-3, np.float32)})
+  prepare = lambda g, extra: (g, None, None)
+
+  def step():
+    state[0], state[1], copy, _ = host.update(
+        grads, state[0], state[1], {}, prepare=prepare,
+        compute_dtype=jnp.bfloat16)
+    copy["w"].block_until_ready()
+
+  return _rate(step, n, reps)
+
+
+def _torch(n: int, reps: int) -> float | None:
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  torch.set_num_threads(os.cpu_count())
+  p = torch.ones(n)
+  p.grad = torch.full((n,), 1e-3)
+  opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True)
+  return _rate(opt.step, n, reps)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--params", type=int, default=64 * 2 ** 20)
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--out", default=os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), "results",
+      "host_update_cpu.md"))
+  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.worker:
+    kind, count = args.worker.split(":")
+    rate = (_xla(args.params, int(count), args.reps) if kind == "xla"
+            else _torch(args.params, args.reps))
+    print(json.dumps(rate))
+    return
+  cores = os.cpu_count()
+  rows = []
+  # (The workers import zero_jax from this checkout.)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      filter(None, [root, os.environ.get("PYTHONPATH")])))
+  # Per core is over all the host's cores: one XLA:CPU device runs its
+  # computation on the process's whole thread pool, not on one core.
+  for name, worker, used in (
+      ("zero_jax host update (XLA:CPU), 1 CPU device", "xla:1", cores),
+      (f"zero_jax host update (XLA:CPU), {cores} CPU devices", f"xla:{cores}",
+       cores),
+      (f"torch fused AdamW, {cores} threads", "torch:0", cores)):
+    out = subprocess.run([sys.executable, __file__, "--worker", worker,
+                          "--params", str(args.params), "--reps",
+                          str(args.reps)], capture_output=True, text=True,
+                         check=True, env=env)
+    rate = json.loads(out.stdout.strip().splitlines()[-1])
+    rows.append((name, rate, used))
+    print(name, "skipped (no torch)" if rate is None else
+          f"{rate / 1e9:.3f} G params/s", flush=True)
+  torch_rate = rows[-1][1]
+  lines = [f"AdamW update of {args.params:,} fp32 parameters on a "
+           f"{cores}-core host (`python benchmarks/host_update_bench.py`)",
+           "", "| update | G params/s | per core | / torch |",
+           "|---|---|---|---|"]
+  for name, rate, used in rows:
+    if rate is None:
+      lines.append(f"| {name} | skipped: torch not installed | | |")
+      continue
+    ratio = "" if torch_rate is None else f"{rate / torch_rate:.2f}"
+    lines.append(f"| {name} | {rate / 1e9:.3f} | {rate / used / 1e9:.3f} | "
+                 f"{ratio} |")
+  text = "\n".join(lines) + "\n"
+  print(text)
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    f.write(text)
+
+
+if __name__ == "__main__":
+  main()

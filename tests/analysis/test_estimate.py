@@ -1,0 +1,374 @@
+"""The analytic estimator: hand counts, the compiled step, and the CLI."""
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import optax
+import pytest
+
+import zero_jax as zj
+from tests import _models as m
+from zero_jax import analysis
+from zero_jax.analysis import main, parse_count
+from zero_jax.analysis import (Estimate, bytes_by_memory_kind, comm_in_psi,
+                             comm_volume, compiled_memory, estimate_activations,
+                             estimate_comm, estimate_memory,
+                             paper_estimate, paper_model_state_bytes,
+                             param_count, per_device_bytes,
+                             train_state_bytes)
+
+N = 8
+GIB = 2 ** 30
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _split(e: Estimate) -> tuple[float, float, float]:
+  return e.params, e.grads, e.opt_state
+
+
+# ------------------------------------------------------------ hand counts
+
+
+@pytest.mark.parametrize("stage,expected", [
+    (0, (4000, 4000, 8000)),   # everything replicated
+    (1, (4000, 4000, 1000)),   # replicated fp32 params are the master
+    (2, (4000, 500, 1000)),
+    (3, (500, 500, 1000)),
+])
+def test_fp32_layouts_by_hand(stage, expected):
+  e = estimate_memory(1000, 8, stage, optimizer="adamw")
+  assert _split(e) == expected
+  assert e.model_states == sum(expected)
+  assert e.persistent == expected[0] + expected[2]
+
+
+@pytest.mark.parametrize("stage,expected", [
+    (0, (6400, 3200, 12800)),        # fp32 master; bf16 grads
+    (1, (800 + 3200, 3200, 1600)),   # master shard + replicated bf16 copy
+    (2, (800 + 3200, 400, 1600)),
+    (3, (800, 800, 1600)),           # master shard; fp32 grad shards
+])
+def test_mixed_precision_layouts_by_hand(stage, expected):
+  e = estimate_memory(1600, 8, stage, compute_dtype="bfloat16")
+  assert _split(e) == expected
+  # fp32 "compute" is fp32 training.
+  assert (estimate_memory(1600, 8, stage, compute_dtype="float32") ==
+          estimate_memory(1600, 8, stage))
+
+
+def test_replica_groups_shard_over_devices_per_group():
+  for stage in range(4):
+    assert (estimate_memory(1600, 16, stage, replica=2) ==
+            estimate_memory(1600, 8, stage))
+  with pytest.raises(ValueError, match="not divisible by replica=3"):
+    estimate_memory(1600, 16, 1, replica=3)
+
+
+def test_optimizer_bytes_and_replicated_leaves():
+  k = lambda **kw: estimate_memory(800, 8, 0, **kw).opt_state / 800
+  assert (k(optimizer="sgd"), k(optimizer="sgd_momentum"),
+          k(optimizer="lion"), k(optimizer="adafactor"), k(optimizer="adam"),
+          k(optimizer="adam", k=6)) == (0, 4, 4, 0, 8, 6)
+  with pytest.raises(ValueError, match="known: .*'adamw'"):
+    estimate_memory(800, 8, 0, optimizer="adamx")
+  # 200 replicated parameters stay whole on every device.
+  e = estimate_memory(1000, 8, 3, replicated=200)
+  assert _split(e) == (4 * 300, 4 * 300, 8 * 300)
+  with pytest.raises(ValueError, match="stage must be"):
+    estimate_memory(1000, 8, 4)
+
+
+def test_paper_estimate_is_the_paper_formula():
+  psi, n = 7.5e9, 64
+  for stage in range(4):
+    assert paper_estimate(psi, n, stage).model_states == pytest.approx(
+        paper_model_state_bytes(psi, n, stage))
+  # The paper's headline: 7.5B parameters on 64 GPUs at P_os+g+p, 1.88 GB.
+  assert paper_estimate(psi, n, 3).model_states == pytest.approx(1.875e9)
+  # fp32 Adam: zero_jax's stage 3 layout is exactly the paper's.
+  assert (estimate_memory(psi, n, 3).model_states == paper_estimate(
+      psi, n, 3, param_bytes=4, grad_bytes=4, k=8).model_states)
+
+
+def test_activations_by_hand():
+  shape = dict(layers=3, hidden=8, seq_len=4, micro_batch=2, heads=2,
+               vocab=10)
+  per_layer = 4 * 2 * 8 * (34 + 5 * 2 * 4 / 8)   # Korthikanti, 16-bit
+  logits = 2 * 2 * 4 * 10 * 2
+  assert estimate_activations(**shape, remat="none") == 3 * per_layer + logits
+  # Full remat: each layer's input plus one layer's working set.
+  assert (estimate_activations(**shape, remat="full") ==
+          3 * 4 * 2 * 8 * 2 + per_layer + logits)
+  assert (estimate_activations(**shape, bytes_per_element=4, remat="none") ==
+          2 * (3 * per_layer + logits))
+  with pytest.raises(ValueError, match="remat"):
+    estimate_activations(**shape, remat="dots")
+  e = estimate_memory(1000, 8, 3, activations=1e6)
+  assert e.total == e.model_states + 1e6
+
+
+def test_communication_by_hand():
+  psi = 1000
+  ar = estimate_comm(psi, 8, 0)
+  assert ar == {"all-reduce": {"elements": 1000, "bytes": 4000}}
+  assert comm_volume({k: v["elements"] for k, v in ar.items()}) == 2 * psi
+  for stage, volume in ((1, 2), (2, 2), (3, 3)):
+    c = estimate_comm(psi, 8, stage)
+    assert set(c) == {"reduce-scatter", "all-gather"}
+    assert comm_volume({k: v["elements"] for k, v in c.items()}) == (
+        volume * psi)
+  # Parameters are gathered in the compute dtype; gradients are summed in
+  # fp32 unless a reduce dtype says otherwise (as ZeroConfig).
+  bf16 = estimate_comm(psi, 8, 3, compute_dtype="bfloat16")
+  assert bf16["all-gather"] == {"elements": 2000, "bytes": 4000}
+  assert bf16["reduce-scatter"] == {"elements": 1000, "bytes": 4000}
+  assert estimate_comm(psi, 8, 3, reduce_dtype="bfloat16")[
+      "reduce-scatter"]["bytes"] == 2000
+  # Replicated leaves are all-reduced instead; replica groups all-reduce
+  # each gradient shard (Ψ/N) on top.
+  c = estimate_comm(psi, 16, 2, replica=2, replicated=200)
+  assert c["reduce-scatter"]["elements"] == 800
+  assert c["all-reduce"]["elements"] == 200 + 800 / 8
+
+
+def test_comm_in_psi_counts_reduce_scatter_by_its_input():
+  summary = {"reduce-scatter": {"count": 2, "elements": 125, "bytes": 500},
+             "all-gather": {"count": 2, "elements": 1000, "bytes": 4000},
+             "all-reduce": {"count": 1, "elements": 10, "bytes": 40}}
+  assert comm_in_psi(summary, 1000, 8) == {
+      "reduce-scatter": 1.0, "all-gather": 1.0, "all-reduce": 0.01}
+
+
+# -------------------------------------- against the compiled reference GPT
+
+
+@pytest.fixture(scope="module")
+def gpt():
+  loss_fn, params, batches = m.gpt_setup(d_model=64, n_layers=2, seq_len=16,
+                                         batch=16, steps=1)
+  cache = {}
+
+  def compiled(stage, replica=1, **config):
+    key = (stage, replica, tuple(sorted(config.items())))
+    if key not in cache:
+      mesh = (zj.make_mesh(num_devices=N) if replica == 1 else
+              zj.make_mesh(num_devices=N, replica=replica))
+      engine = zj.Engine(loss_fn, optax.adamw(1e-3),
+                         zj.ZeroConfig(stage=stage, **config), mesh)
+      state = engine.init(params)
+      cache[key] = (engine, state,
+                    engine.step.lower(state, batches[0]).compile())
+    return cache[key]
+
+  return params, batches[0], compiled
+
+
+def _measured(engine, state, compiled, batch):
+  split = train_state_bytes(state)
+  state_bytes = (compiled_memory(compiled).argument -
+                 per_device_bytes(engine.shard_batch(batch)))
+  # The per-field split accounts for every byte the step takes as state.
+  assert sum(split.values()) == state_bytes
+  # Every parameter copy (a compute-dtype copy too, once TrainState has one).
+  params = sum(v for k, v in split.items() if "params" in k)
+  return split, params, state_bytes
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_states_agree_with_the_compiled_step(gpt, stage):
+  params, batch, compiled = gpt
+  engine, state, c = compiled(stage)
+  psi = param_count(params)
+  split, measured_params, state_bytes = _measured(engine, state, c, batch)
+  # The ideal layout (every leaf sharded) is within 10% of the engine's ...
+  est = estimate_memory(psi, N, stage, optimizer="adamw")
+  assert measured_params == pytest.approx(est.params, rel=0.10)
+  assert split["opt_state"] == pytest.approx(est.opt_state, rel=0.10)
+  assert state_bytes == pytest.approx(est.persistent, rel=0.10)
+  # ... and counting the replicated leaves makes it exact, up to scalars
+  # (step, rng key, Adam's step count).
+  exact = estimate_memory(psi, N, stage, replicated=engine.param_plan.replicated_elements)
+  assert measured_params == exact.params
+  assert 0 <= split["opt_state"] - exact.opt_state <= 8
+  assert 0 <= state_bytes - exact.persistent <= 32
+
+
+def test_split_of_abstract_state(gpt):
+  _, _, compiled = gpt
+  engine, state, _ = compiled(3)
+  abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+      engine.state_shardings)
+  assert train_state_bytes(abstract) == train_state_bytes(state)
+  assert set(train_state_bytes(state)) == {
+      f.name for f in dataclasses.fields(state)}
+  with pytest.raises(TypeError, match="TrainState"):
+    train_state_bytes({"params": 1})
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_measured_communication_in_psi(gpt, stage):
+  params, _, compiled = gpt
+  engine, _, c = compiled(stage)
+  psi = param_count(params)
+  rep = engine.param_plan.replicated_elements
+  measured = comm_in_psi(analysis.summarize(c.as_text()), psi, N)
+  est = {k: v["elements"] / psi
+         for k, v in estimate_comm(psi, N, stage, replicated=rep).items()}
+  ideal = {k: v["elements"] / psi
+           for k, v in estimate_comm(psi, N, stage).items()}
+  assert set(measured) == set(est)
+  for kind, x in measured.items():
+    expected = est[kind]
+    if stage == 3 and kind == "all-gather":
+      # 2Ψ is a bound: backward re-gathers only the scanned layers' shards
+      # (under remat); embeddings and head are gathered once.
+      layers = sum(math.prod(lp.shape) for p, lp in engine.param_plan.rows()
+                   if lp.sharded and p.startswith("blocks"))
+      expected = (psi - rep + layers) / psi
+      assert x <= est[kind]
+    # Within 2% (plus the loss scalar all-reduced), and the ideal layout
+    # within 2% plus the replicated leaves.
+    assert x == pytest.approx(expected, rel=0.02, abs=2 / psi), kind
+    assert abs(x - ideal.get(kind, 0)) <= (0.02 * ideal.get(kind, 0) +
+                                           2 * rep / psi +
+                                           abs(expected - est[kind])), kind
+
+
+def test_bf16_with_replica_groups_agrees_with_the_compiled_step(gpt):
+  # One compile covers both: stage 1 keeps a replicated bf16 copy next to
+  # the fp32 master shard, and 2 replica groups shard over N = 4.
+  params, batch, compiled = gpt
+  engine, state, c = compiled(1, replica=2, compute_dtype="bfloat16")
+  psi, n = param_count(params), N // 2
+  split, measured_params, state_bytes = _measured(engine, state, c, batch)
+  est = estimate_memory(psi, N, 1, compute_dtype="bfloat16", replica=2)
+  assert measured_params == pytest.approx(est.params, rel=0.10)
+  assert split["opt_state"] == pytest.approx(est.opt_state, rel=0.10)
+  assert state_bytes == pytest.approx(est.persistent, rel=0.10)
+  rep = engine.param_plan.replicated_elements
+  exact = estimate_memory(psi, N, 1, compute_dtype="bfloat16", replica=2,
+                          replicated=rep)
+  assert measured_params == exact.params
+  assert 0 <= state_bytes - exact.persistent <= 32
+  # Gradient shards are all-reduced over the replica groups.
+  measured = comm_in_psi(analysis.summarize(c.as_text()), psi, n)
+  comm = estimate_comm(psi, N, 1, compute_dtype="bfloat16", replica=2,
+                       replicated=rep)
+  assert set(measured) == set(comm)
+  for kind, d in comm.items():
+    assert measured[kind] == pytest.approx(d["elements"] / psi, rel=0.02,
+                                           abs=2 / psi), kind
+
+
+@pytest.mark.parametrize("stage,compute_dtype,offload", [
+    (0, None, "optimizer"), (1, "bfloat16", "optimizer"),
+    (2, None, "optimizer"), (3, "bfloat16", "optimizer"),
+    (3, None, "params"), (3, "bfloat16", "both")])
+def test_offload_estimate_matches_where_the_state_lives(stage, compute_dtype,
+                                                        offload):
+  # No compile needed: the state's leaves carry their memory kinds.
+  loss_fn, params, _ = m.gpt_setup(d_model=64, n_layers=2, steps=1)
+  config = zj.ZeroConfig(
+      stage=stage, compute_dtype=compute_dtype,
+      offload_optimizer="host" if offload != "params" else None,
+      offload_params="host" if offload != "optimizer" else None)
+  engine = zj.Engine(loss_fn, optax.adamw(1e-3), config,
+                     zj.make_mesh(num_devices=N))
+  state = engine.init(params)
+  measured = bytes_by_memory_kind(state)
+  est = estimate_memory(param_count(params), N, stage,
+                        compute_dtype=compute_dtype,
+                        replicated=engine.param_plan.replicated_elements,
+                        offload_optimizer=offload != "params",
+                        offload_params=offload != "optimizer")
+  # Up to scalars (Adam's count, the step, the rng key).
+  assert 0 <= measured["pinned_host"] - est.host <= 16
+  assert 0 <= measured["device"] - est.persistent <= 32
+
+
+# -------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("text,value", [
+    ("7.5e9", 7.5e9), ("1.3B", 1.3e9), ("125M", 125e6), ("350k", 350e3),
+    ("1_000", 1000), ("2t", 2e12)])
+def test_parse_count(text, value):
+  assert parse_count(text) == pytest.approx(value)
+
+
+def test_cli_prints_every_stage(capsys):
+  assert main(["--params", "125M", "--devices", "8"]) == 0
+  out = capsys.readouterr().out
+  for stage in range(4):
+    assert f"stage {stage}:" in out
+  for row in ("params", "gradients", "optimizer state", "activations",
+              "total", "communication per step"):
+    assert row in out
+  # Stage 3, fp32 Adam: 16Ψ/N for zero_jax and the paper alike.
+  stage3 = out[out.index("stage 3:"):]
+  total = next(l for l in stage3.splitlines() if "model states" in l)
+  assert total.split()[-2:] == [f"{16 * 125e6 / 8 / GIB:.3f}"] * 2
+
+
+def test_cli_activations_and_mixed_precision(capsys):
+  assert main(["--params", "1.3B", "--devices", "16", "--replica", "2",
+               "--stage", "2", "--compute-dtype", "bf16", "--layers", "24",
+               "--hidden", "2048", "--seq-len", "2048", "--micro-batch", "1",
+               "--heads", "16", "--vocab", "50257"]) == 0
+  out = capsys.readouterr().out
+  assert "stage 2:" in out and "stage 1:" not in out
+  assert "K = 12" in out and "N = 8" in out
+  acts = estimate_activations(layers=24, hidden=2048, seq_len=2048,
+                              micro_batch=1, heads=16, vocab=50257)
+  assert f"{acts / GIB:.3f}" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--params", "1.3X", "--devices", "8"], "invalid count '1.3X'"),
+    (["--params", "1e9", "--devices", "8", "--replica", "3"],
+     "--devices 8 is not divisible by --replica 3"),
+    (["--params", "1e9", "--devices", "8", "--optimizer", "adamx"],
+     "'adamw'"),
+    (["--params", "1e9", "--devices", "0"], "must be >= 1"),
+    (["--params", "1e9", "--devices", "8", "--stage", "4"], "invalid choice"),
+    (["--params", "1e9", "--devices", "8", "--layers", "4"],
+     "missing --hidden --seq-len --micro-batch --heads"),
+    (["--devices", "8"], "--params"),
+])
+def test_cli_rejects_bad_input(capsys, argv, message):
+  with pytest.raises(SystemExit) as e:
+    main(argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_cli_as_a_module():
+  out = subprocess.run(
+      [sys.executable, "-m", "zero_jax.estimate", "--params", "7.5e9",
+       "--devices", "64", "--stage", "3"],
+      cwd=_REPO, capture_output=True, text=True, check=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
+  assert "stage 3:" in out and "stage 2:" not in out
+  # 16Ψ/N = 1.875e9 bytes = 1.746 GiB per device; 3Ψ of communication.
+  assert "1.746" in out and "volume 3Ψ" in out
+
+
+def test_cli_offload_rows(capsys):
+  assert main(["--params", "13e9", "--devices", "1", "--stage", "3",
+               "--compute-dtype", "bf16", "--offload-optimizer"]) == 0
+  out = capsys.readouterr().out
+  # 12 bytes/param (fp32 master + Adam) on the host, and the 4 of the fp32
+  # gradients, sent there as backward makes them; 2 (the bf16 copy) on the
+  # device.
+  row = lambda name: float([l for l in out.splitlines()
+                            if name in l][0].split()[2])
+  assert row("host (offloaded)") == pytest.approx(12 * 13e9 / 2**30,
+                                                  rel=1e-3)
+  assert row("host (gradients)") == pytest.approx(4 * 13e9 / 2**30,
+                                                  rel=1e-3)
+  assert row("model states") == pytest.approx(2 * 13e9 / 2**30, rel=1e-3)

@@ -1,0 +1,134 @@
+"""One process of a multi-process run (see test_distributed.py).
+
+Usage, from the repository root::
+
+  python -m zero_jax.launch --nproc 2 --devices-per-proc 4 \\
+      tests/distributed/_launch_script.py train OUT_DIR
+  ... tests/distributed/_launch_script.py loop OUT_DIR   # train until killed or SIGTERM
+  ... tests/distributed/_launch_script.py raise          # process 1 raises at once
+
+``train`` trains the MLP of tests/_models.py for 5 steps at every ZeRO stage,
+and at stage 3 on a 2-D mesh whose replica groups are the two processes (one
+run pays the process start-up once), each process feeding only its rows of
+every global batch. Process 0 writes ``OUT_DIR/result.npz``: per run (see
+``RUNS``) ``{run}/losses`` and ``{run}/{param}`` (the gathered parameters),
+plus whatever ``after_training`` returns; the stage 3 runs also save a
+checkpoint, ``OUT_DIR/ckpt_{run}``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# Run as a script, this file's directory is on sys.path, not the root that
+# holds the tests package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from zero_jax.distributed import _runtime as distributed  # noqa: E402
+
+# First, before anything touches devices (tests._models creates arrays at
+# import time); twice, to check that a second call is a no-op. ("loop" is
+# killed by the tests: a short heartbeat timeout ends its survivor sooner.)
+_HEARTBEAT = dict(heartbeat_timeout_seconds=10) if sys.argv[1] == "loop" else {}
+distributed.initialize(**_HEARTBEAT)
+distributed.initialize(**_HEARTBEAT)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import zero_jax as zj  # noqa: E402
+from tests import _models as m  # noqa: E402
+
+# name: (stage, replica groups).
+RUNS = {"s0": (0, 1), "s1": (1, 1), "s2": (2, 1), "s3": (3, 1),
+        "r2s3": (3, 2)}
+STEPS = 5
+
+
+def make_engine(stage: int, replica: int = 1) -> zj.Engine:
+  return zj.Engine(m.mlp_loss, optax.adamw(1e-2),
+                   zj.ZeroConfig(stage=stage, min_shard_elements=0),
+                   zj.make_mesh(replica=replica))
+
+
+def after_training(run: str, engine: zj.Engine, state: zj.TrainState,
+                   out_dir: str) -> dict[str, np.ndarray]:
+  """Saves the stage 3 runs' states; the test restores them in one process.
+
+  Returns arrays for process 0 to add to result.npz (keys are prefixed with
+  ``{run}/``).
+  """
+  if run in ("s3", "r2s3"):
+    # Each process writes the shards its devices hold.
+    with zj.Checkpointer(os.path.join(out_dir, f"ckpt_{run}")) as ckpt:
+      ckpt.save(state, engine=engine)
+  return {}
+
+
+def train(out_dir: str) -> None:
+  assert jax.process_count() == 2, jax.process_count()
+  assert len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+  result: dict[str, np.ndarray] = {}
+  for run, (stage, replica) in RUNS.items():
+    engine = make_engine(stage, replica)
+    state = engine.init(m.mlp_params())
+    losses = []
+    for batch in m.mlp_batches(STEPS):
+      state, metrics = engine.step(state,
+                                   distributed.local_batch(batch, engine.mesh))
+      losses.append(float(metrics["loss"]))
+    result[f"{run}/losses"] = np.array(losses)
+    for k, v in engine.gather_params(state).items():
+      result[f"{run}/{k}"] = np.asarray(v)
+    for k, v in after_training(run, engine, state, out_dir).items():
+      result[f"{run}/{k}"] = np.asarray(v)
+  if distributed.is_main_process():
+    np.savez(os.path.join(out_dir, "result.npz"), **result)
+  print(f"process {jax.process_index()} done", flush=True)
+
+
+def loop(out_dir: str) -> None:
+  """Trains until killed, or until SIGTERM: then saves a checkpoint at the
+  step JAX's preemption service picks for both processes, and exits 143.
+  Writes ``ready{i}`` once it has taken a step."""
+  engine = make_engine(3)
+  state = engine.init(m.mlp_params())
+  batch = distributed.local_batch(m.mlp_batches(1)[0], engine.mesh)
+  ckpt = zj.Checkpointer(os.path.join(out_dir, "ckpt"))
+  step = 0
+  while True:
+    state, metrics = engine.step(state, batch)
+    float(metrics["loss"])  # wait for the step (and its collectives)
+    step += 1
+    if step == 2:
+      path = os.path.join(out_dir, f"ready{jax.process_index()}")
+      with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    if ckpt.reached_preemption(step):
+      ckpt.save(state)
+      ckpt.close()
+      print(f"preempted at step {step}", flush=True)
+      sys.exit(143)
+
+
+def fail() -> None:
+  """Process 1 raises; process 0 waits in host code, outside collectives,
+  where only fail_fast can stop it quickly."""
+  if jax.process_index() == 1:
+    raise ValueError("deliberate failure")
+  time.sleep(120)
+
+
+if __name__ == "__main__":
+  mode = sys.argv[1]
+  if mode == "train":
+    train(sys.argv[2])
+  elif mode == "loop":
+    loop(sys.argv[2])
+  elif mode == "raise":
+    fail()
+  else:
+    raise SystemExit(f"unknown mode {mode!r}")

@@ -1,0 +1,363 @@
+"""Offload to host memory: every option places every state leaf where it
+says, and trains bit-identically to the same run without offload.
+
+On CPU the memory kinds exist and the code path runs, but nothing moves;
+GPU figures come from ``experiments/gpu_bench.py``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import zero_jax as zj
+from tests import _models as m
+from zero_jax import offload
+
+HOST, DEVICE = "pinned_host", "device"
+
+
+def _master_on_host(stage, compute_dtype, offload_optimizer, offload_params):
+  """The documented rule: the fp32 master goes to the host wherever forward
+  reads a separate compute copy, or with offload_params."""
+  return bool(offload_params or (offload_optimizer and compute_dtype
+                                 and stage > 0))
+
+
+def _train(model, **config):
+  if model == "mlp":
+    loss_fn, params, batches = m.mlp_loss, m.mlp_params(), m.mlp_batches(4)
+  else:
+    loss_fn, params, batches = m.gpt_setup(steps=3)
+  engine = zj.Engine(loss_fn, m.OPTIMIZERS["adamw"](),
+                     zj.ZeroConfig(min_shard_elements=0, **config),
+                     zj.make_mesh(num_devices=8))
+  return m.train_engine(engine, params, batches)
+
+
+@functools.cache
+def _plain(model, **config):
+  """The same run without offload (shared by the cases that need it)."""
+  losses, params, _ = _train(model, **config)
+  return losses, params
+
+
+def _check_placement(state, stage, compute_dtype=None, offload_optimizer=None,
+                     offload_params=None, update_on="device", **_):
+  kind = lambda on_host: HOST if on_host else DEVICE
+  if update_on == "host":
+    # Master and optimizer state on the host's CPU devices; the compute copy
+    # where forward reads it.
+    for x in jax.tree.leaves((state.params, state.opt_state)):
+      assert x.sharding.mesh.axis_names == ("host",)
+    for x in jax.tree.leaves(state.compute_params):
+      assert x.sharding.memory_kind == kind(offload_params)
+    return
+  want = kind(offload_optimizer)
+  for path, x in jax.tree_util.tree_leaves_with_path(state.opt_state):
+    assert x.sharding.memory_kind == want, ("opt_state",
+                                            jax.tree_util.keystr(path))
+  want = kind(_master_on_host(stage, compute_dtype, offload_optimizer,
+                              offload_params))
+  for path, x in jax.tree_util.tree_leaves_with_path(state.params):
+    assert x.sharding.memory_kind == want, ("params",
+                                            jax.tree_util.keystr(path))
+  for x in jax.tree.leaves(state.compute_params):
+    assert x.sharding.memory_kind == DEVICE
+
+
+def _assert_identical(run, ref):
+  assert run[0] == ref[0]  # losses, bit for bit
+  for x, y in zip(jax.tree.leaves(run[1]), jax.tree.leaves(ref[1])):
+    np.testing.assert_array_equal(x, y)
+
+
+CASES = (
+    # (More streamed-update cases, with slices that cut: _STREAM_CASES.)
+    [dict(stage=s, compute_dtype=cd, offload_optimizer="host",
+          update_on="device")
+     for s, cd in ((0, None), (1, None), (2, "bfloat16"), (3, None),
+                   (3, "bfloat16"))] +
+    [dict(stage=s, compute_dtype=cd, offload_optimizer="host",
+          update_on="host")
+     for s in (1, 3) for cd in (None, "bfloat16")] +
+    # (With the update on the host, offload_optimizer changes nothing.)
+    [dict(stage=3, compute_dtype=cd, offload_params="host", update_on=u,
+          offload_optimizer=o)
+     for cd in (None, "bfloat16") for u in ("device", "host")
+     for o in ((None, "host") if u == "device" else ("host",))] +
+    [dict(stage=2, compute_dtype="float16", offload_optimizer="host",
+          update_on="host")])
+
+
+@pytest.mark.parametrize("config", CASES, ids=lambda c: "-".join(
+    f"{k}={v}" for k, v in c.items() if v is not None))
+def test_offload_places_state_and_changes_nothing_else(config):
+  run = _train("mlp", **config)
+  _check_placement(run[2], **config)
+  plain = {k: v for k, v in config.items()
+           if k not in ("offload_optimizer", "offload_params", "update_on")}
+  _assert_identical(run, _plain("mlp", **plain))
+
+
+def _copies_to_device(jaxpr) -> int:
+  """device_put equations into device memory in ``jaxpr`` (nested too)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "device_put":
+      n += sum("Device" in str(d) for d in eqn.params.get("devices", ()))
+    for v in eqn.params.values():
+      for inner in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          n += _copies_to_device(inner)
+  return n
+
+
+def _scan_bodies(jaxpr):
+  """The body of every scan in ``jaxpr``, nested ones included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      yield eqn.params["jaxpr"].jaxpr
+    for v in eqn.params.values():
+      for inner in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          yield from _scan_bodies(inner)
+
+
+@pytest.mark.parametrize("config", [
+    dict(offload_params="host"),
+    dict(offload_params="host", compute_dtype="bfloat16"),
+    dict(offload_optimizer="host", compute_dtype="bfloat16"),
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_offloaded_stage3_gpt_gathers_layer_by_layer(config):
+  # The GPT's layers run through scan_layers: with the master on the host,
+  # each layer's shards are copied to the device inside the layer loop.
+  run = _train("gpt", stage=3, **config)
+  _check_placement(run[2], 3, **config)
+  plain = {k: v for k, v in config.items() if k == "compute_dtype"}
+  _assert_identical(run, _plain("gpt", stage=3, **plain))
+
+  loss_fn, params, batches = m.gpt_setup(steps=1)
+
+  engine = zj.Engine(loss_fn, m.OPTIMIZERS["adamw"](),
+                     zj.ZeroConfig(stage=3, min_shard_elements=0, **config),
+                     zj.make_mesh(num_devices=8))
+  state = engine.init(params)
+  jaxpr = jax.make_jaxpr(engine.step.jitted)(state,
+                                             engine.shard_batch(batches[0]))
+  # The layer loops: the scans that multiply (the streamed update's do not).
+  scans = [body for body in _scan_bodies(jaxpr.jaxpr)
+           if "dot_general" in str(body)]
+  assert scans, "the GPT's layers are not scanned"
+  copies = sum(_copies_to_device(body) for body in scans)
+  if config.get("offload_params"):
+    assert copies > 0  # per-layer host-to-device copies inside the loop
+  else:
+    assert copies == 0  # the compute copy is already on the device
+
+
+def test_offload_params_needs_stage_3():
+  with pytest.raises(ValueError, match="needs stage=3"):
+    zj.ZeroConfig(stage=2, offload_params="host")
+  with pytest.raises(ValueError, match="set offload_optimizer='host'"):
+    zj.ZeroConfig(update_on="host")
+  with pytest.raises(ValueError, match="disk"):
+    zj.ZeroConfig(offload_optimizer="nvme")
+
+
+# The streamed update (zero_jax.stream) with slices small enough that these
+# small models are cut: several rows of a leaf per slice, several scans.
+_STREAM_CASES = [
+    ("adamw", dict(stage=3)),
+    ("adam", dict(stage=1)),
+    ("masked_adamw", dict(stage=3, compute_dtype="bfloat16")),
+    ("adamw", dict(stage=1, compute_dtype="bfloat16")),
+    ("adamw", dict(stage=2, compute_dtype="float16")),
+    ("adamw", dict(stage=0)),
+    ("sgd_momentum", dict(stage=3, compute_dtype="bfloat16",
+                          offload_params="host")),
+    ("lion", dict(stage=3, offload_params="host")),
+    # Gradients in host memory (stage 3): clipped and unscaled slice by
+    # slice as the update reads them.
+    ("adamw", dict(stage=3, compute_dtype="float16", offload_params="host",
+                   clip_grad_norm=0.05)),
+    ("adamw", dict(stage=3, clip_grad_norm=0.05, offload_params="host")),
+    ("adafactor", dict(stage=3, compute_dtype="bfloat16")),
+]
+
+
+def _run_mlp(opt, steps, **config):
+  # (A mask is a function of the parameter tree: init and update must see
+  # the tree, not a flat list.)
+  make = dict(m.OPTIMIZERS, adam=lambda: optax.adam(1e-2),
+              masked_adamw=lambda: optax.adamw(
+                  1e-2, weight_decay=0.1,
+                  mask=lambda p: {k: k != "b1" for k in p}))[opt]
+  engine = zj.Engine(m.mlp_loss, make(),
+                     zj.ZeroConfig(min_shard_elements=0, **config),
+                     zj.make_mesh(num_devices=8))
+  state = engine.init(m.mlp_params())
+  for batch in m.mlp_batches(steps):
+    state, _ = engine.step(state, batch)
+  return engine, state
+
+
+@pytest.mark.parametrize("opt,config", _STREAM_CASES,
+                         ids=lambda c: c if isinstance(c, str) else "-".join(
+                             f"{k}={v}" for k, v in c.items()))
+def test_streamed_update_equals_the_update_without_offload(opt, config,
+                                                           monkeypatch):
+  monkeypatch.setattr(offload, "SLICE_BYTES", 1024)
+  # fp32: three steps. 16-bit compute: one step, because a last-bit
+  # difference in the fp32 master (XLA fuses a slice's update differently
+  # from the whole leaf's) can flip a 16-bit rounding in the next forward.
+  steps = 3 if "compute_dtype" not in config else 1
+  engine, state = _run_mlp(opt, steps, offload_optimizer="host", **config)
+  _, ref = _run_mlp(opt, steps, **config)
+  calls = engine.layout.update.streamer.calls
+  assert engine.placement.grads_on_host == (
+      config["stage"] == 3 and
+      ("compute_dtype" in config or "offload_params" in config))
+  if opt == "adafactor":
+    # Its per-leaf RMS clipping mixes rows: every leaf is updated whole.
+    assert all(k == 1 for k, _ in calls)
+  else:
+    assert sum(k > 1 for k, _ in calls) >= 2, calls  # several scans
+  for tree, ref_tree in ((state.params, ref.params),
+                         (state.opt_state, ref.opt_state)):
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(ref_tree)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0,
+                                 atol=1e-6)
+  # Adam's count (shared by every slice) advanced once per step.
+  counts = [x for x in jax.tree.leaves(state.opt_state)
+            if np.asarray(x).dtype == np.int32]
+  assert all(int(c) == steps for c in counts)
+
+
+@pytest.mark.parametrize("opt,config", [
+    ("clip_adam", dict(stage=3, compute_dtype="bfloat16")),
+    ("adamw", dict(stage=2, compute_dtype="float16", clip_grad_norm=0.05)),
+    ("adafactor", dict(stage=3, offload_params="host")),
+], ids=lambda c: c if isinstance(c, str) else "-".join(
+    f"{k}={v}" for k, v in c.items()))
+def test_host_update_runs_on_the_spare_cpu_devices_and_changes_nothing(
+    opt, config):
+  # The mesh takes 4 of the 8 CPU devices; the update runs on the other 4,
+  # as it runs on the CPU beside a GPU: two programs on disjoint devices.
+  # Any chain is exact there, a global norm inside tx included.
+  def run(**extra):
+    engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](),
+                       zj.ZeroConfig(min_shard_elements=0, **config, **extra),
+                       zj.make_mesh(num_devices=4))
+    state = engine.init(m.mlp_params())
+    losses = []
+    for batch in m.mlp_batches(3):
+      state, metrics = engine.step(state, batch)
+      losses.append(float(metrics["loss"]))
+    return engine, state, losses
+
+  engine, state, losses = run(offload_optimizer="host", update_on="host")
+  _, ref, ref_losses = run()
+  used = set(engine.mesh.devices.flat)
+  for x in jax.tree.leaves((state.params, state.opt_state)):
+    assert len(x.sharding.device_set) == 4
+    assert x.sharding.device_set.isdisjoint(used)
+  assert "host update over 4 CPU device(s)" in engine.describe()
+  # (A global norm sums in another order over another layout: last bits.)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  for x, y in zip(jax.tree.leaves((state.params, state.opt_state)),
+                  jax.tree.leaves((ref.params, ref.opt_state))):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0,
+                               atol=1e-6)
+
+
+def test_delay_update_applies_each_gradient_one_update_late():
+  tx = m.OPTIMIZERS["adamw"]()
+  batches = m.mlp_batches(4)
+  engine = zj.Engine(m.mlp_loss, tx, zj.ZeroConfig(
+      stage=3, min_shard_elements=0, offload_optimizer="host",
+      update_on="host", delay_update=True), zj.make_mesh(num_devices=4))
+  state = engine.init(m.mlp_params())
+  losses = []
+  for batch in batches:
+    state, metrics = engine.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert "delay_update" in engine.describe()
+  # Plain optax on one device, each gradient taken at the parameters from
+  # before the previous update (DeepSpeed's delayed parameter update).
+  p = before = m.mlp_params()
+  opt_state, ref = tx.init(p), []
+  for batch in batches:
+    loss, g = jax.value_and_grad(m.mlp_loss)(before, batch)
+    ref.append(float(loss))
+    updates, opt_state = tx.update(g, opt_state, p)
+    before, p = p, optax.apply_updates(p, updates)
+  np.testing.assert_allclose(losses, ref, rtol=1e-6)
+  out = engine.gather_params(state)
+  for k in p:
+    np.testing.assert_allclose(np.asarray(out[k]), np.asarray(p[k]), rtol=0,
+                               atol=1e-6)
+  with pytest.raises(ValueError, match="update_on='host'"):
+    zj.ZeroConfig(offload_optimizer="host", delay_update=True)
+
+
+def test_host_update_layout_warnings_and_limits(monkeypatch):
+  host = offload.HostUpdate(
+      optax.adam(1e-3), {"w": jax.ShapeDtypeStruct((6, 8), np.float32)},
+      jax.devices()[:4])
+  # The first axis each device can take a block of, else another; else
+  # whole on each (and said so).
+  spec = lambda shape: host.sharding(shape).spec
+  assert spec((8, 6)) == P("host") and spec((6, 8)) == P(None, "host")
+  assert spec((6, 3)) == P() and spec(()) == P()
+  assert host.replicated_bytes([jnp.zeros((6, 3))]) == 72
+  config = zj.ZeroConfig(offload_optimizer="host", update_on="host")
+  # One CPU device (the default beside a GPU): a warning names the fix.
+  monkeypatch.setattr(offload, "host_devices",
+                      lambda mesh: jax.devices()[:1])
+  engine = zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
+                     zj.make_mesh(num_devices=8))
+  with pytest.warns(UserWarning, match="jax_num_cpu_devices"):
+    engine.init(m.mlp_params())
+  # Several processes: the update would need the others' CPU devices.
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match="update_on='device'"):
+    zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
+              zj.make_mesh(num_devices=8))
+
+
+def test_streamed_update_refuses_a_global_norm_in_the_chain():
+  engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS["clip_adam"](),
+                     zj.ZeroConfig(offload_optimizer="host"),
+                     zj.make_mesh(num_devices=8))
+  with pytest.raises(ValueError, match=r"ZeroConfig\(clip_grad_norm"):
+    engine.init(m.mlp_params())
+  # The same clipping through the config streams, and is exact.
+  engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS["adamw"](),
+                     zj.ZeroConfig(offload_optimizer="host",
+                                   clip_grad_norm=0.1),
+                     zj.make_mesh(num_devices=8))
+  engine.init(m.mlp_params())
+
+
+def test_separable_tells_rows_and_leaves_apart():
+  x = jax.ShapeDtypeStruct((4, 3), np.float32)
+  tag = offload.Tag
+  # Elementwise and reductions over other axes keep rows apart; a cumulative
+  # sum down the rows, or a sum over them, mixes them.
+  r = offload.analyze(
+      lambda a, b, c: (a * 2 + a.sum(1, keepdims=True), jnp.cumsum(b, 0),
+                       c.T.sum(1)),
+      (x, x, x), (tag({0: 0}), tag({1: 0}), tag({2: 0})))
+  assert r.lost == {1, 2} and not r.cross
+  assert r.out == [{0: 0}, {1: None}, {2: None}]
+  # A global norm meets both leaves in one value.
+  r = offload.analyze(lambda a, b: a / (jnp.sum(a * a) + jnp.sum(b * b)),
+                        (x, x), (tag({0: 0}), tag({1: 0})))
+  assert r.cross and r.cross[0][1] == {0, 1}

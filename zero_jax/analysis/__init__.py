@@ -1,0 +1,63 @@
+"""Analysis: what a ZeRO layout costs each device, estimated and measured.
+
+- analytic models of memory and communication per stage
+  (``estimate_memory``, ``estimate_comm``, ``estimate_activations``) next to
+  the paper's formula (``paper_model_state_bytes``);
+- measurements of a real or compiled step (``compiled_memory``,
+  ``per_device_bytes``, ``train_state_bytes``; the collectives of its HLO
+  text: ``collectives``, ``summarize``, ``summarize_by_dtype``);
+- compiling the train step for NVIDIA GPUs without one (``gpu_mesh``,
+  ``compile_step``; the reference GPT: ``compile_gpt``);
+- the command line ``python -m zero_jax.estimate`` (``main``).
+"""
+
+from zero_jax.analysis._aot import (INSTALL_HINT, TARGETS, CompiledStep,
+                                    abstract_batch, compile_step,
+                                    gpu_devices, gpu_mesh, target_spec)
+from zero_jax.analysis._cli import compile_gpt, gpt_shapes, main, parse_count
+from zero_jax.analysis._comm import comm_in_psi, comm_volume, estimate_comm
+from zero_jax.analysis._hlo import (Collective, collectives, summarize,
+                                    summarize_by_dtype)
+from zero_jax.analysis._measure import (CompiledMemory, bytes_by_memory_kind,
+                                        compiled_memory, param_count,
+                                        per_device_bytes, train_state_bytes)
+from zero_jax.analysis._memory import (OPTIMIZER_STATE_BYTES, Estimate,
+                                       estimate_activations, estimate_memory,
+                                       optimizer_state_bytes,
+                                       paper_estimate,
+                                       paper_model_state_bytes)
+
+__all__ = [
+    "Collective",
+    "CompiledMemory",
+    "CompiledStep",
+    "Estimate",
+    "INSTALL_HINT",
+    "OPTIMIZER_STATE_BYTES",
+    "TARGETS",
+    "abstract_batch",
+    "bytes_by_memory_kind",
+    "collectives",
+    "comm_in_psi",
+    "comm_volume",
+    "compile_gpt",
+    "compile_step",
+    "compiled_memory",
+    "estimate_activations",
+    "estimate_comm",
+    "estimate_memory",
+    "gpt_shapes",
+    "gpu_devices",
+    "gpu_mesh",
+    "main",
+    "optimizer_state_bytes",
+    "paper_estimate",
+    "paper_model_state_bytes",
+    "param_count",
+    "parse_count",
+    "per_device_bytes",
+    "summarize",
+    "summarize_by_dtype",
+    "target_spec",
+    "train_state_bytes",
+]

@@ -1,0 +1,496 @@
+"""Per-device memory and communication of each ZeRO stage, from the shell.
+
+Prints, for every stage asked for, zero_jax's analytic bytes per device
+(``zero_jax.memory.estimate_memory``) next to the ZeRO paper's formula, and
+the collectives of one step in multiples of Ψ and in GiB (MiB for small
+models). No accelerator or model is needed.
+
+Example::
+
+  $ python -m zero_jax.estimate --params 7.5e9 --devices 64 --stage 3
+  $ python -m zero_jax.estimate --params 1.3B --devices 8 \\
+      --compute-dtype bf16 --layers 24 --hidden 2048 --seq-len 2048 \\
+      --micro-batch 4 --heads 16 --vocab 50257
+  $ python -m zero_jax.estimate --compile h100 --devices 8 --stage 3 \\
+      --compute-dtype bf16 --layers 24 --hidden 2048 --heads 16 \\
+      --vocab 50304 --seq-len 1024 --micro-batch 16
+
+``--compile TARGET`` also compiles the reference GPT
+(``zero_jax.models.GPT``, fused attention, AdamW) of that shape for N GPUs
+of the target (``zero_jax.aot``; needs the ``gpu-compile`` extra) and prints
+the compiled step's device peak, host bytes and collectives beside the
+estimate; ``--params`` is then the model's own count.
+
+``--params`` takes 7.5e9, 1.3B, 125M or 350k. The paper's column uses
+fp16 params and gradients and K = 12 (fp32 master + the optimizer's state)
+with ``--compute-dtype``, fp32 params and gradients and K = the optimizer's
+without. Activations (Korthikanti et al., arXiv:2205.05198) are estimated
+only when the model's shape is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from typing import Any, Sequence
+
+from zero_jax.analysis import _memory as memory
+from zero_jax.config import NAMED_POLICIES, REMAT_POLICIES, ZeroConfig
+
+_GIB = 2 ** 30
+_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_COMPUTE_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16",
+                   "bfloat16": "bfloat16", "fp16": "float16",
+                   "float16": "float16"}
+_STAGE_NAMES = {
+    0: "plain data parallelism, everything replicated",
+    1: "optimizer state sharded",
+    2: "optimizer state and gradients sharded",
+    3: "optimizer state, gradients and parameters sharded",
+}
+_SHAPE_ARGS = ("layers", "hidden", "seq_len", "micro_batch", "heads")
+
+
+def parse_count(text: str) -> float:
+  """Parses a parameter count: ``7.5e9``, ``1.3B``, ``125M``, ``350k``.
+
+  Args:
+    text: a number, optionally with a k/M/B(G)/T suffix (any case) and
+      ``_`` or ``,`` separators.
+
+  Returns:
+    The count.
+
+  Raises:
+    argparse.ArgumentTypeError: not such a count, not finite (``1e400``),
+      or not positive.
+  """
+  m = re.fullmatch(r"\s*([0-9][0-9_,]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*"
+                   r"([kmbgt]?)\s*", text, re.IGNORECASE)
+  if not m:
+    raise argparse.ArgumentTypeError(
+        f"invalid count {text!r}: use a number such as 7.5e9, 1.3B, 125M or "
+        "350k")
+  value = float(m.group(1).replace("_", "").replace(",", ""))
+  value *= _SUFFIXES[m.group(2).lower()]
+  if not math.isfinite(value):
+    raise argparse.ArgumentTypeError(
+        f"count {text!r} is beyond a float's range: use a number such as "
+        "7.5e9 or 1.3B")
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"count must be > 0, got {text!r}")
+  return value
+
+
+def _parsed(text: str, cast: type, expected: str) -> Any:
+  """``cast(text)``, or the argparse error for a value that is not one."""
+  try:
+    return cast(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+
+
+def _bytes_per_param(text: str) -> float:
+  """``--k``: finite bytes >= 0 (``float`` alone takes nan and inf)."""
+  value = _parsed(text, float, "a number")
+  if not (math.isfinite(value) and value >= 0):
+    raise argparse.ArgumentTypeError(
+        f"must be a finite number >= 0 (optimizer-state bytes per "
+        f"parameter, e.g. 8 for fp32 Adam), got {text!r}")
+  return value
+
+
+def _positive_int(text: str) -> int:
+  value = _parsed(text, int, "an integer")
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command line's argument parser."""
+  p = argparse.ArgumentParser(
+      prog="python -m zero_jax.estimate",
+      description="Per-device memory and communication of ZeRO stages 0-3 "
+      "under zero_jax, next to the ZeRO paper's formula.",
+      epilog="example: python -m zero_jax.estimate --params 7.5e9 "
+      "--devices 64 --stage 3")
+  p.add_argument("--params", type=parse_count, default=None,
+                 help="parameter count Ψ: 7.5e9, 1.3B, 125M, 350k "
+                 "(required unless --compile, which counts the model's)")
+  p.add_argument("--devices", type=_positive_int, required=True,
+                 help="devices in all")
+  p.add_argument("--stage", choices=("0", "1", "2", "3", "all"),
+                 default="all", help="ZeRO stage (default: all)")
+  p.add_argument("--optimizer", default="adamw",
+                 choices=sorted(memory.OPTIMIZER_STATE_BYTES),
+                 help="sets the optimizer-state bytes per parameter K "
+                 "(default adamw: 8)")
+  p.add_argument("--k", type=_bytes_per_param, default=None,
+                 help="optimizer-state bytes per parameter; overrides "
+                 "--optimizer")
+  p.add_argument("--compute-dtype", default="fp32",
+                 choices=sorted(_COMPUTE_DTYPES),
+                 help="dtype of the forward/backward (default fp32: fp32 "
+                 "training)")
+  p.add_argument("--reduce-dtype", default="fp32",
+                 choices=sorted(_COMPUTE_DTYPES),
+                 help="dtype gradients are summed in across devices "
+                 "(default fp32, as ZeroConfig)")
+  p.add_argument("--replica", type=_positive_int, default=1,
+                 help="replica groups R: state is sharded over devices / R "
+                 "and replicated over R (default 1)")
+  p.add_argument("--offload-optimizer", action="store_true",
+                 help="optimizer state (and the fp32 master where forward "
+                 "reads a compute copy) in host memory")
+  p.add_argument("--offload-params", action="store_true",
+                 help="stage 3: the fp32 master shards in host memory")
+  act = p.add_argument_group(
+      "activations (optional; all of --layers --hidden --seq-len "
+      "--micro-batch --heads)")
+  act.add_argument("--layers", type=_positive_int, help="transformer blocks")
+  act.add_argument("--hidden", type=_positive_int, help="model width")
+  act.add_argument("--seq-len", type=_positive_int, help="tokens/sequence")
+  act.add_argument("--micro-batch", type=_positive_int,
+                   help="sequences per device per step")
+  act.add_argument("--heads", type=_positive_int, help="attention heads")
+  act.add_argument("--vocab", type=_positive_int, default=None,
+                   help="vocabulary size (adds the logits)")
+  act.add_argument("--remat", choices=tuple(REMAT_POLICIES), default="full",
+                   help="per-layer rematerialization (default full; the "
+                   "analytic activations know full and none)")
+  comp = p.add_argument_group(
+      "compile (optional): the reference GPT of the shape above, compiled "
+      "for GPUs that need not be present")
+  comp.add_argument("--compile", metavar="TARGET", default=None,
+                    help="GPU to compile for: h100, h200 or a100-80gb "
+                    "(needs: pip install \"zero-jax[gpu-compile]\")")
+  comp.add_argument("--attention", default="fused",
+                    choices=("fused", "einsum", "auto", "cudnn"),
+                    help="GPTConfig.attention (default fused, which the "
+                    "recorded figures used; auto: cuDNN's flash attention)")
+  return p
+
+
+def _unit(psi: float) -> tuple[str, float]:
+  """GiB for models whose plain-DP state (16Ψ bytes) reaches 1 GiB, else
+  MiB, so that small models do not print as 0.000."""
+  return ("GiB", _GIB) if 16 * psi >= _GIB else ("MiB", 2.0**20)
+
+
+def _psi(x: float) -> str:
+  return f"{x:.3g}Ψ"
+
+
+def _count(x: float) -> str:
+  """7.5e9 -> '7.5B'; small counts as they are."""
+  for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+    if x >= scale:
+      return f"{x / scale:.4g}{suffix}"
+  return f"{x:.4g}"
+
+
+def _analytic_report(args: argparse.Namespace, stage: int,
+                     activations: float | None) -> list[str]:
+  compute = _COMPUTE_DTYPES[args.compute_dtype]
+  k = memory.optimizer_state_bytes(args.optimizer, args.k)
+  est = memory.estimate_memory(args.params, args.devices, stage,
+                               optimizer=args.optimizer, k=args.k,
+                               compute_dtype=compute, replica=args.replica,
+                               activations=activations,
+                               offload_optimizer=args.offload_optimizer,
+                               offload_params=(args.offload_params
+                                               and stage == 3))
+  n = args.devices // args.replica
+  # The paper: 16-bit params/grads and an fp32 master counted in K with
+  # mixed precision; fp32 params/grads and the optimizer's own K without.
+  b = 2 if compute else 4
+  paper = memory.paper_estimate(args.params, n, stage, param_bytes=b,
+                                grad_bytes=b, k=k + (4 if compute else 0))
+  unit = _unit(args.params)
+  size = lambda x: f"{x / unit[1]:.3f}"
+  act = "-" if activations is None else size(est.activations)
+  rows = [("params", size(est.params), size(paper.params)),
+          ("gradients", size(est.grads), size(paper.grads)),
+          ("optimizer state", size(est.opt_state), size(paper.opt_state)),
+          ("model states", size(est.model_states), size(paper.model_states)),
+          ("activations", act, "-"),
+          ("total", size(est.total), size(paper.model_states))]
+  if est.host:
+    rows.append(("host (offloaded)", size(est.host), "-"))
+  if est.host_grads:
+    rows.append(("host (gradients)", size(est.host_grads), "-"))
+  lines = [f"stage {stage}: {_STAGE_NAMES[stage]}",
+           f"  {unit[0] + ' per device':<18}{'zero_jax':>12}{'paper':>12}"]
+  lines += [f"  {name:<18}{ours:>12}{theirs:>12}"
+            for name, ours, theirs in rows]
+  comm = memory.estimate_comm(args.params, args.devices, stage,
+                              compute_dtype=compute,
+                              reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
+                              replica=args.replica)
+  in_psi = {kind: d["elements"] / args.params for kind, d in comm.items()}
+  nbytes = memory.comm_volume({kind: d["bytes"] for kind, d in comm.items()})
+  parts = " + ".join(f"{kind} {_psi(x)}" for kind, x in in_psi.items())
+  lines.append(f"  communication per step: {parts}; volume "
+               f"{_psi(memory.comm_volume(in_psi))} = {size(nbytes)} {unit[0]}")
+  return lines
+
+
+def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
+                hidden: int, heads: int, vocab: int, seq_len: int,
+                micro_batch: int, compute_dtype: str | None = "bfloat16",
+                remat: str = "full", attention: str = "fused",
+                optimizer: str = "adamw", replica: int = 1,
+                offload_optimizer: bool = False,
+                offload_params: bool = False, update_on: str = "device"):
+  """Compiles the reference GPT's ZeRO train step for ``devices`` GPUs.
+
+  The model is ``zero_jax.models.GPT`` of the given shape (learned
+  positions, untied head), trained from shapes alone: nothing is
+  materialised.
+
+  Args:
+    target: a GPU of ``zero_jax.aot.TARGETS`` (``"h100"``, ...).
+    devices: number of GPUs.
+    stage: ZeRO stage.
+    layers, hidden, heads, vocab, seq_len: the GPT's shape.
+    micro_batch: sequences per device per step.
+    compute_dtype: ``ZeroConfig.compute_dtype``.
+    remat: ``ZeroConfig.remat``.
+    attention: ``GPTConfig.attention``.
+    optimizer: an optax optimizer without arguments beyond the learning
+      rate (``adamw``, ``adam``, ``sgd``, ``sgd_momentum``, ``lion``,
+      ``adafactor``).
+    replica: replica groups of the mesh.
+    offload_optimizer, offload_params, update_on: the ``ZeroConfig``
+      offload options (with ``update_on="host"`` the device's program is
+      compiled; the host's update is a program of its own).
+
+  Returns:
+    ``(engine, compiled)``: the ``Engine`` (its plans say what is sharded)
+    and the ``zero_jax.aot.CompiledStep``.
+  """
+  # Imported here: the analytic estimate needs neither flax nor a compiler.
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from zero_jax.analysis import _aot as aot  # pylint: disable=g-import-not-at-top
+  from zero_jax.train import Engine  # pylint: disable=g-import-not-at-top
+  from zero_jax.models import make_loss_fn  # pylint: disable=g-import-not-at-top
+
+  tx = (optax.sgd(1e-4, momentum=0.9) if optimizer == "sgd_momentum" else
+        getattr(optax, optimizer)(1e-4))
+  mesh = aot.gpu_mesh(target, devices, replica=replica)
+  graphdef, params = gpt_shapes(layers=layers, hidden=hidden, heads=heads,
+                                 vocab=vocab, seq_len=seq_len,
+                                 attention=attention)
+  config = ZeroConfig(stage=stage, compute_dtype=compute_dtype, remat=remat,
+                      offload_optimizer="host" if offload_optimizer else None,
+                      offload_params="host" if offload_params else None,
+                      update_on=update_on)
+  engine = Engine(make_loss_fn(graphdef), tx, config, mesh)
+  batch = {"tokens": jax.ShapeDtypeStruct((micro_batch * devices,
+                                           seq_len + 1), jnp.int32)}
+  return engine, aot.compile_step(engine, params, batch)
+
+
+def gpt_shapes(*, layers: int, hidden: int, heads: int, vocab: int,
+                seq_len: int, attention: str = "fused"):
+  """``(graphdef, params)`` of the reference GPT, params as shapes only."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from zero_jax.models import GPT, GPTConfig  # pylint: disable=g-import-not-at-top
+  cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, d_model=hidden,
+                  n_layers=layers, n_heads=heads, attention=attention)
+  return nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))),
+                   nnx.Param)
+
+
+def _gib(x: float) -> str:
+  return f"{x / _GIB:.3f}"
+
+
+def _compiled_report(args: argparse.Namespace, stage: int) -> list[str]:
+  _, c = compile_gpt(
+      args.compile, args.devices, stage, layers=args.layers,
+      hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+      seq_len=args.seq_len, micro_batch=args.micro_batch,
+      compute_dtype=_COMPUTE_DTYPES[args.compute_dtype], remat=args.remat,
+      attention=args.attention, optimizer=args.optimizer,
+      replica=args.replica, offload_optimizer=args.offload_optimizer,
+      offload_params=args.offload_params and stage == 3)
+  m = c.memory
+  ops = "; ".join(
+      f"{kind} {dtype} x{d['count']} {_gib(d['bytes'])} GiB"
+      for (kind, dtype), d in sorted(c.collectives.items())) or "none"
+  return [f"  compiled for {args.devices} x {args.compile}: peak "
+          f"{_gib(m.peak)} GiB per device (argument {_gib(m.argument)} + "
+          f"output {_gib(m.output)} + temp {_gib(m.temp)} - alias "
+          f"{_gib(m.alias)}); host (pinned_host) {_gib(m.host)} GiB",
+          f"  compiled collectives per step: {ops}"]
+
+
+def report(args: argparse.Namespace) -> str:
+  """The text ``main`` prints for parsed arguments."""
+  compute = _COMPUTE_DTYPES[args.compute_dtype]
+  k = memory.optimizer_state_bytes(args.optimizer, args.k)
+  n = args.devices // args.replica
+  activations = None
+  if args.layers is not None and args.remat in ("full", "none"):
+    activations = memory.estimate_activations(
+        layers=args.layers, hidden=args.hidden, seq_len=args.seq_len,
+        micro_batch=args.micro_batch, heads=args.heads,
+        vocab=args.vocab or 0, bytes_per_element=2 if compute else 4,
+        remat=args.remat)
+  opt = f"K = {k:g}" if args.k is not None else f"{args.optimizer}, K = {k:g}"
+  precision = (f"{args.compute_dtype} compute, fp32 master" if compute else
+               "fp32 training")
+  paper = (f"2-byte params and gradients, K = {k + 4:g} (fp32 master "
+           f"4 + optimizer {k:g}: the master counts as optimizer state)"
+           if compute else f"4-byte params and gradients, K = {k:g}")
+  lines = [
+      f"Ψ = {_count(args.params)} parameters on {args.devices} devices "
+      f"(sharded over N = {n}, replica groups R = {args.replica}); "
+      f"{opt} bytes/param; {precision}",
+      f"paper (arXiv:1910.02054): {paper}", ""]
+  for stage in _stages(args):
+    lines += _analytic_report(args, stage, activations)
+    if args.compile is not None:
+      lines += _compiled_report(args, stage)
+    lines.append("")
+  lines.append("zero_jax keeps no gradient buffer between steps; gradients "
+               "are counted because they are live at the update.")
+  if args.compile is not None:
+    lines.append(f"compiled: zero_jax.models.GPT ({args.attention} "
+                 f"attention, remat {args.remat}, {args.optimizer}), global "
+                 f"batch {args.micro_batch * args.devices} x {args.seq_len} "
+                 f"tokens, for {args.compile} GPUs (zero_jax.aot); peak = "
+                 "argument + output + temp - alias.")
+  if activations is None and args.layers is not None:
+    lines.append(f"activations: no analytic estimate for remat="
+                 f"{args.remat} (only full and none).")
+  elif activations is None:
+    lines.append("activations: pass --layers --hidden --seq-len "
+                 "--micro-batch --heads (and --vocab) to estimate them.")
+  else:
+    lines.append("activations: Korthikanti et al. (arXiv:2205.05198) "
+                 f"estimate, remat={args.remat}; a planning number.")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the command line.
+
+  Args:
+    argv: arguments without the program name; None reads ``sys.argv``.
+
+  Returns:
+    0. Bad arguments exit through ``argparse`` (SystemExit, status 2) with a
+    message saying what is wrong.
+  """
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.devices % args.replica:
+    parser.error(f"--devices {args.devices} is not divisible by --replica "
+                 f"{args.replica}: state is sharded over devices / replica "
+                 "devices")
+  given = [a for a in _SHAPE_ARGS if getattr(args, a) is not None]
+  if (given or args.vocab is not None) and len(given) < len(_SHAPE_ARGS):
+    missing = [f"--{a.replace('_', '-')}" for a in _SHAPE_ARGS
+               if getattr(args, a) is None]
+    parser.error("the activation estimate needs all of --layers --hidden "
+                 "--seq-len --micro-batch --heads; missing "
+                 + " ".join(missing))
+  _check_config(parser, args)
+  if args.compile is not None:
+    _check_compile(parser, args)
+  elif args.params is None:
+    parser.error("--params is required (or --compile TARGET with the "
+                 "model's shape, which counts them)")
+  _check_estimate(parser, args)
+  print(report(args))
+  return 0
+
+
+def _stages(args: argparse.Namespace) -> list[int]:
+  return list(range(4)) if args.stage == "all" else [int(args.stage)]
+
+
+def _check_config(parser: argparse.ArgumentParser,
+                  args: argparse.Namespace) -> None:
+  """Rejects options that ``ZeroConfig`` would reject, naming the flags."""
+  if args.offload_params and args.stage not in ("3", "all"):
+    parser.error(
+        f"--offload-params needs --stage 3 (got --stage {args.stage}): only "
+        "stage 3 shards the parameters it streams per layer; at stages 1-2 "
+        "use --offload-optimizer with --compute-dtype bf16 to offload the "
+        "fp32 master (--stage all applies --offload-params to stage 3 only)")
+  if args.compile is not None and args.remat in NAMED_POLICIES:
+    parser.error(
+        f"--remat {args.remat} needs checkpoint names (ZeroConfig."
+        "remat_names), which the command line cannot give: use --remat "
+        "full, none, dots_saveable, attention_saveable or "
+        "dots_attention_saveable with --compile")
+  for stage in _stages(args):
+    try:
+      ZeroConfig(
+          stage=stage, compute_dtype=_COMPUTE_DTYPES[args.compute_dtype],
+          reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
+          remat=args.remat if args.compile is not None else "full",
+          offload_optimizer="host" if args.offload_optimizer else None,
+          offload_params=("host" if args.offload_params and stage == 3
+                          else None))
+    except ValueError as e:
+      parser.error(f"these options give no valid ZeroConfig at stage "
+                   f"{stage}: {e}")
+
+
+def _check_estimate(parser: argparse.ArgumentParser,
+                    args: argparse.Namespace) -> None:
+  """Rejects sizes whose bytes overflow (finite, but absurd: 1e308)."""
+  compute = _COMPUTE_DTYPES[args.compute_dtype]
+  for stage in _stages(args):
+    try:
+      memory.estimate_memory(args.params, args.devices, stage,
+                             optimizer=args.optimizer, k=args.k,
+                             compute_dtype=compute, replica=args.replica)
+      memory.estimate_comm(args.params, args.devices, stage,
+                           compute_dtype=compute, replica=args.replica)
+    except ValueError as e:
+      parser.error(f"--params {args.params:g} with --k "
+                   f"{memory.optimizer_state_bytes(args.optimizer, args.k):g}"
+                   f": {e}")
+
+
+def _check_compile(parser: argparse.ArgumentParser,
+                   args: argparse.Namespace) -> None:
+  """Validates ``--compile`` and fills ``args.params`` with the GPT's count."""
+  from zero_jax.analysis import _aot as aot  # pylint: disable=g-import-not-at-top
+  if args.compile not in aot.TARGETS:
+    parser.error(f"unknown --compile target {args.compile!r}; choose one of "
+                 f"{', '.join(sorted(aot.TARGETS))}")
+  if args.layers is None or args.vocab is None:
+    parser.error("--compile builds the reference GPT: pass --layers "
+                 "--hidden --heads --vocab --seq-len --micro-batch")
+  if args.k is not None:
+    parser.error("--compile trains a real optimizer: choose it with "
+                 "--optimizer, not --k")
+  if args.hidden % args.heads:
+    parser.error(f"--hidden {args.hidden} is not divisible by --heads "
+                 f"{args.heads}")
+  try:
+    aot.gpu_devices(args.compile, 1)
+  except ImportError as e:
+    parser.error(str(e))
+  _, shapes = gpt_shapes(layers=args.layers, hidden=args.hidden,
+                          heads=args.heads, vocab=args.vocab,
+                          seq_len=args.seq_len)
+  psi = memory.param_count(shapes)
+  if args.params is not None and abs(args.params - psi) > 0.01 * psi:
+    parser.error(f"--params {_count(args.params)} disagrees with the "
+                 f"{_count(psi)} parameters of the GPT given by the shape; "
+                 "leave --params out with --compile")
+  args.params = psi

@@ -1,0 +1,391 @@
+"""Memory per device: analytic models, with the measurements re-exported.
+
+The paper (arXiv:1910.02054, section 5) counts model-state bytes per device
+for Ψ parameters on N devices, with 2-byte params and gradients and K bytes
+of optimizer state per parameter (K = 12 for mixed-precision Adam). For fp32
+training params and gradients are 4 bytes and K = 8 (Adam's two moments).
+
+Three kinds of numbers:
+
+- the paper's formula (``paper_model_state_bytes``, ``paper_estimate``),
+  here;
+- an analytic model of zero_jax's *own* layouts (``estimate_memory``, here,
+  which counts bytes by the engine's ``zero_jax.layout.Placement``;
+  ``estimate_activations``, here; ``estimate_comm`` and ``comm_volume``, in
+  ``zero_jax.comm``), which differ from the paper's: no gradient buffer
+  persists between steps, and with fp32 compute the replicated parameters
+  of stages 0-2 are also the master copy;
+- measurements of a real engine (``compiled_memory``, ``per_device_bytes``,
+  ``train_state_bytes``, in ``zero_jax.measure``; ``comm_in_psi`` over
+  ``zero_jax.hlo.summarize``, in ``zero_jax.comm``).
+
+Every name of the three is importable from here.
+
+Example::
+
+  est = estimate_memory(7.5e9, 64, 3, optimizer="adamw")
+  est.model_states / 2**30            # GiB per device
+  estimate_comm(7.5e9, 64, 3)         # {"all-gather": {...}, ...}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zero_jax.analysis._inputs import (BYTES_FIX, PSI_FIX, check_count, check_finite,
+                              check_flag, check_number, check_replicated,
+                              check_stage, compute_bytes, data_axis)
+from zero_jax.analysis._comm import comm_in_psi, comm_volume, estimate_comm
+from zero_jax.config import ZeroConfig
+from zero_jax.analysis._measure import (CompiledMemory, bytes_by_memory_kind,
+                              compiled_memory, param_count, per_device_bytes,
+                              train_state_bytes)
+from zero_jax.layout import ComputeCopy, Placement
+
+
+def paper_model_state_bytes(psi: float, n: int, stage: int, *,
+                            param_bytes: int = 2, grad_bytes: int = 2,
+                            k: int = 12) -> float:
+  """Per-device model-state bytes of the ZeRO paper's formula.
+
+  Args:
+    psi: parameter count Ψ.
+    n: data-parallel devices N.
+    stage: 0 (plain DP), 1 (P_os), 2 (P_os+g), 3 (P_os+g+p).
+    param_bytes: bytes per parameter (2 for fp16/bf16 compute, 4 for fp32).
+    grad_bytes: bytes per gradient element.
+    k: optimizer-state bytes per parameter (12 for mixed-precision Adam,
+      8 for fp32 Adam).
+
+  Returns:
+    Bytes per device.
+
+  Raises:
+    ValueError: a size is not finite, or negative (Ψ and N also not 0), or
+      the stage is not 0-3.
+  """
+  _check_paper_args(psi, n, stage, param_bytes, grad_bytes, k)
+  p, g, o = param_bytes * psi, grad_bytes * psi, k * psi
+  if stage == 0:
+    return p + g + o
+  if stage == 1:
+    return p + g + o / n
+  if stage == 2:
+    return p + (g + o) / n
+  if stage == 3:
+    return (p + g + o) / n
+  raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+
+
+# ------------------------------------------------------- analytic: zero_jax
+
+# Optimizer-state bytes per parameter (fp32 state) of common optax optimizers.
+OPTIMIZER_STATE_BYTES: dict[str, float] = {
+    "adam": 8,          # first and second moments
+    "adamw": 8,
+    "sgd": 0,           # stateless
+    "sgd_momentum": 4,  # one trace
+    "lion": 4,          # one moment
+    # Factored second moments: a row and a column vector per matrix, about 0
+    # bytes per parameter. Counted as 0; vectors and leaves below
+    # ``min_dim_size_to_factor`` keep a full moment and are left out.
+    "adafactor": 0,
+}
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Bytes per device of one training setup, by kind.
+
+  Attributes:
+    params: every parameter copy kept between steps: the fp32 master, plus,
+      at stages 1-2 with a 16-bit compute dtype, the replicated compute copy.
+    grads: one step's gradients. In zero_jax they are live only during the
+      step (a functional step keeps no gradient buffer), but they are live at
+      the optimizer update; the paper counts them as a persistent buffer.
+    opt_state: optimizer state.
+    activations: activations saved for backward (0 when not estimated).
+    host: state kept in host memory instead (offload; per device, so a
+      host's RAM must hold this times its devices). ``params`` and
+      ``opt_state`` count device memory only.
+    host_grads: gradients sent to host memory as backward makes them
+      (stage 3 offload with one micro-batch: ``Placement.grads_on_host``);
+      ``grads`` then counts none. An upper bound: small leaves' gradients
+      stay on the device.
+  """
+
+  params: float
+  grads: float
+  opt_state: float
+  activations: float = 0.0
+  host: float = 0.0
+  host_grads: float = 0.0
+
+  @property
+  def model_states(self) -> float:
+    """params + grads + opt_state: what the paper counts."""
+    return self.params + self.grads + self.opt_state
+
+  @property
+  def persistent(self) -> float:
+    """params + opt_state: what zero_jax's ``TrainState`` holds."""
+    return self.params + self.opt_state
+
+  @property
+  def total(self) -> float:
+    """model_states + activations."""
+    return self.model_states + self.activations
+
+
+def _check_paper_args(psi: float, n: int, stage: int, param_bytes: float,
+                      grad_bytes: float, k: float) -> None:
+  """The checks shared by the paper's formula and its split."""
+  check_number("psi", psi, fix=PSI_FIX)
+  check_count("n", n, fix="pass the data-parallel devices N")
+  check_stage(stage)
+  check_number("param_bytes", param_bytes, strict=False, fix=BYTES_FIX)
+  check_number("grad_bytes", grad_bytes, strict=False, fix=BYTES_FIX)
+  check_number("k", k, strict=False,
+               fix="pass optimizer-state bytes per parameter, e.g. 12")
+
+
+def optimizer_state_bytes(optimizer: str = "adamw",
+                          k: float | None = None) -> float:
+  """Optimizer-state bytes per parameter K.
+
+  Args:
+    optimizer: a key of ``OPTIMIZER_STATE_BYTES``.
+    k: explicit bytes per parameter; overrides ``optimizer``.
+
+  Returns:
+    K.
+
+  Raises:
+    ValueError: unknown optimizer (the message lists the known ones) or
+      a ``k`` that is negative or not finite.
+  """
+  if k is not None:
+    return check_number("k", k, strict=False,
+                        fix="pass optimizer-state bytes per parameter, "
+                        "e.g. 8 for fp32 Adam")
+  if optimizer not in OPTIMIZER_STATE_BYTES:
+    raise ValueError(f"unknown optimizer {optimizer!r}; known: "
+                     f"{sorted(OPTIMIZER_STATE_BYTES)} (or pass k=bytes per "
+                     "parameter)")
+  return OPTIMIZER_STATE_BYTES[optimizer]
+
+
+def _unplaced(pl: Placement, c: int | None) -> tuple[bool, bool, int]:
+  """What ``Placement`` does not record, derived here from its stage.
+
+  Returns whether the optimizer state is sharded (stages 1-3: ZeRO's
+  P_os), whether the gradients live at the update as reduce-scattered
+  shards (stages 2-3: P_os+g; at stages 0-1 backward leaves them whole),
+  and their bytes per element: the compute dtype's ``c`` where there is one,
+  but fp32 at stage 3, where they are the master's.
+  """
+  grad_bytes = 4 if c is None or pl.stage == 3 else c
+  return pl.stage >= 1, pl.stage >= 2, grad_bytes
+
+
+def estimate_memory(psi: float, devices: int, stage: int, *,
+                    optimizer: str = "adamw", k: float | None = None,
+                    compute_dtype: Any = None, replica: int = 1,
+                    activations: float | None = None,
+                    replicated: float = 0, offload_optimizer: bool = False,
+                    offload_params: bool = False,
+                    update_on: str = "device") -> Estimate:
+  """Per-device bytes of zero_jax's layouts for Ψ parameters (analytic).
+
+  N = ``devices // replica`` is the ``data`` axis state is sharded over;
+  the ``replica`` groups each hold a full set of shards. K is the
+  optimizer-state bytes per parameter. With fp32 training (no
+  ``compute_dtype``):
+
+  ====== ============= ============ ===========
+  stage  params        grads        opt_state
+  ====== ============= ============ ===========
+  0      4Ψ            4Ψ           KΨ
+  1      4Ψ            4Ψ           KΨ/N
+  2      4Ψ            4Ψ/N         KΨ/N
+  3      4Ψ/N          4Ψ/N         KΨ/N
+  ====== ============= ============ ===========
+
+  At stages 0-2 the replicated fp32 parameters are also the master copy
+  (each device updates the slice it owns), so no second copy is kept. With
+  a compute dtype of c bytes (2 for bf16/fp16): stage 0 keeps the fp32
+  master 4Ψ, grads cΨ; stages 1-2 a fp32 master shard 4Ψ/N plus a
+  replicated compute copy cΨ, grads cΨ (stage 1) or cΨ/N (stage 2); stage 3
+  a master shard 4Ψ/N and grads 4Ψ/N.
+
+  Offload (``ZeroConfig.offload_optimizer`` / ``offload_params``) moves
+  state from ``params``/``opt_state`` to ``host``: the optimizer state; the
+  fp32 master wherever forward reads a compute copy (stages 1-2 with a
+  compute dtype; stage 3 with one then keeps a cΨ/N compute shard on the
+  device); with ``offload_params`` (stage 3) the master shard.
+
+  Args:
+    psi: parameter count Ψ.
+    devices: devices in all.
+    stage: ZeRO stage 0-3.
+    optimizer: a key of ``OPTIMIZER_STATE_BYTES`` (K: adam/adamw 8, sgd 0,
+      sgd_momentum 4, lion 4, adafactor ~0).
+    k: explicit optimizer-state bytes per parameter; overrides
+      ``optimizer``.
+    compute_dtype: e.g. ``"bfloat16"``; None (or a 4-byte float) for fp32
+      training.
+    replica: replica groups R (``devices`` must be divisible by it).
+    activations: activation bytes per device to add (e.g. from
+      ``estimate_activations``); None for 0.
+    replicated: parameters that stay replicated whatever the stage (leaves
+      below ``min_shard_elements`` or with no dimension divisible by N; see
+      ``Engine.describe()``). 0 gives the ideal layout; the count makes the
+      estimate match a real engine to the byte, up to scalars such as
+      Adam's step count.
+    offload_optimizer: ``ZeroConfig(offload_optimizer="host")``.
+    offload_params: ``ZeroConfig(offload_params="host")`` (stage 3).
+    update_on: ``ZeroConfig.update_on``: ``"host"`` keeps master and
+      optimizer state on the host and a compute copy (float32 in fp32
+      training) on the device.
+
+  Returns:
+    The estimate.
+
+  Raises:
+    ValueError: ``psi`` or ``devices`` is not finite or not > 0,
+      ``replica`` does not divide ``devices``, ``activations`` or
+      ``replicated`` is negative or not finite (or ``replicated`` > ``psi``),
+      or the options make an invalid ``ZeroConfig`` (its message names the
+      field).
+  """
+  check_number("psi", psi, fix=PSI_FIX)
+  n = data_axis(devices, replica)
+  check_stage(stage)
+  kb = optimizer_state_bytes(optimizer, k)
+  c = compute_bytes(compute_dtype)
+  r = check_replicated(replicated, psi)
+  if activations is not None:
+    check_number("activations", activations, strict=False,
+                 fix="pass activation bytes per device (e.g. from "
+                 "estimate_activations), or None")
+  offload_optimizer = check_flag("offload_optimizer", offload_optimizer)
+  offload_params = check_flag("offload_params", offload_params)
+  full = lambda b: b * psi
+  sharded = lambda b: b * ((psi - r) / n + r)
+  if offload_params and stage != 3:
+    raise ValueError(f"offload_params needs stage 3, got stage={stage}: only "
+                     "stage 3 shards the parameters it would stream; at "
+                     "stages 1-2 pass offload_optimizer=True with a "
+                     "compute_dtype to offload the fp32 master")
+  # Where master, moments and the compute copy live: the engine's rules.
+  # (Only whether a 16-bit copy exists matters to the layout; c sizes it.)
+  pl = Placement.of(ZeroConfig(
+      stage=stage, compute_dtype=None if c is None else "bfloat16",
+      offload_optimizer="host" if offload_optimizer else None,
+      offload_params="host" if offload_params else None,
+      update_on=update_on))
+  opt_sharded, grads_sharded, grad_bytes = _unplaced(pl, c)
+  master = sharded(4) if pl.master_sharded else full(4)
+  # (With update_on="host" the device's copy is float32 in fp32 training.)
+  cc = c or pl.copy_dtype.itemsize
+  compute = {ComputeCopy.REPLICATED: full(cc), ComputeCopy.SHARDED: sharded(cc),
+             None: 0.0}[pl.compute_copy]
+  opt_state = sharded(kb) if opt_sharded else full(kb)
+  grads = sharded(grad_bytes) if grads_sharded else full(grad_bytes)
+  host = ((master if pl.master_on_host else 0.0) +
+          (opt_state if pl.opt_on_host else 0.0))
+  if pl.compute_memory.on_host:
+    host, compute = host + compute, 0.0
+  params = compute + (0.0 if pl.master_on_host else master)
+  opt_state = 0.0 if pl.opt_on_host else opt_state
+  host_grads = 0.0
+  if pl.grads_on_host:
+    host_grads, grads = grads, 0.0
+  est = Estimate(params=float(params), grads=float(grads),
+                 opt_state=float(opt_state),
+                 activations=float(activations or 0), host=float(host),
+                 host_grads=float(host_grads))
+  check_finite(f"estimate_memory(psi={psi!r}, k={kb!r})",
+               dataclasses.asdict(est) | {"total": est.total})
+  return est
+
+
+def paper_estimate(psi: float, n: int, stage: int, *, param_bytes: int = 2,
+                   grad_bytes: int = 2, k: float = 12) -> Estimate:
+  """The paper's formula (``paper_model_state_bytes``), split by kind.
+
+  Args:
+    psi: parameter count Ψ.
+    n: data-parallel devices N.
+    stage: 0-3.
+    param_bytes: bytes per parameter (2 for mixed precision, 4 for fp32).
+    grad_bytes: bytes per gradient element.
+    k: optimizer-state bytes per parameter (12 for mixed-precision Adam:
+      fp32 master + two moments; 8 for fp32 Adam).
+
+  Returns:
+    The estimate (no activations: the paper counts model states).
+
+  Raises:
+    ValueError: as ``paper_model_state_bytes``.
+  """
+  _check_paper_args(psi, n, stage, param_bytes, grad_bytes, k)
+  p, g, o = param_bytes * psi, grad_bytes * psi, k * psi
+  return Estimate(params=p / n if stage >= 3 else p,
+                  grads=g / n if stage >= 2 else g,
+                  opt_state=o / n if stage >= 1 else o)
+
+
+def estimate_activations(*, layers: int, hidden: int, seq_len: int,
+                         micro_batch: int, heads: int, vocab: int = 0,
+                         bytes_per_element: float = 2,
+                         remat: str = "full") -> float:
+  """Activation bytes per device of a GPT-style transformer (an estimate).
+
+  Per layer without recomputation, Korthikanti et al. (arXiv:2205.05198,
+  section 4.1) count ``T b d (34 + 5 a T / d)`` bytes with 16-bit
+  activations (T = seq_len, b = micro_batch, d = hidden, a = heads); it is
+  scaled by ``bytes_per_element / 2``. With full per-layer remat only each
+  layer's input (``T b d`` elements) is saved, plus one layer's working set
+  while it is recomputed in backward. The logits and their gradient add
+  ``2 b T V`` elements. Real use depends on XLA's fusion and scheduling:
+  this is a planning number, not a measurement. DeepSpeed's estimator counts
+  model states only, which is why it is often far from observed use.
+
+  Args:
+    layers: transformer blocks L.
+    hidden: model width d.
+    seq_len: tokens per sequence T.
+    micro_batch: sequences per device per step b.
+    heads: attention heads a.
+    vocab: vocabulary size V (0 leaves the logits out).
+    bytes_per_element: 2 for bf16/fp16 activations, 4 for fp32.
+    remat: ``"full"`` (per-layer recomputation, zero_jax's default) or
+      ``"none"``.
+
+  Returns:
+    Bytes per device.
+
+  Raises:
+    ValueError: a dimension is not an integer >= 1 (``vocab`` >= 0),
+      ``bytes_per_element`` is not a finite number > 0, or ``remat`` is
+      neither ``"full"`` nor ``"none"``.
+  """
+  for name, value in (("layers", layers), ("hidden", hidden),
+                      ("seq_len", seq_len), ("micro_batch", micro_batch),
+                      ("heads", heads)):
+    check_count(name, value, fix="pass the model's shape")
+  check_count("vocab", vocab, 0, fix="pass the vocabulary size, or 0 to "
+              "leave the logits out")
+  check_number("bytes_per_element", bytes_per_element, fix=BYTES_FIX)
+  if not isinstance(remat, str) or remat not in ("full", "none"):
+    raise ValueError(f"remat must be 'full' or 'none', got {remat!r}")
+  tbd = seq_len * micro_batch * hidden
+  per_layer = (tbd * (34 + 5 * heads * seq_len / hidden) *
+               bytes_per_element / 2)
+  logits = 2 * micro_batch * seq_len * vocab * bytes_per_element
+  if remat == "none":
+    return float(layers * per_layer + logits)
+  return float(layers * tbd * bytes_per_element + per_layer + logits)
+
+

@@ -1,0 +1,467 @@
+"""Checkpoints with orbax that restore into any stage, mesh and offload.
+
+A checkpoint holds the *logical* train state: the fp32 master parameters
+and the optimizer state as whole arrays (each written as its shards by the
+process that owns them; nothing is gathered), the step, the rng key and the
+float16 loss scale. Layout is not part of it: restoring builds the target
+layout from the engine it is restored into (any stage, device count, mesh,
+offload) and orbax reads each device's shard of it straight from disk. So a
+checkpoint saved at stage 3 on 8 devices restores at stage 1 on 4, or at
+stage 0 on one, with no conversion step. The compute-dtype copy is not
+stored: it is a cast of the master, redone on restore.
+
+    ckpt = zj.Checkpointer("ckpt", max_to_keep=3)
+    state = (ckpt.restore(engine, params) if ckpt.latest_step() is not None
+             else engine.init(params))
+    for batch in data:
+      state, metrics = engine.step(state, batch)
+      step = int(state.step)
+      if step % 100 == 0 or ckpt.reached_preemption(step):
+        ckpt.save(state)                # async: returns once copied off
+      if ckpt.reached_preemption(step):
+        break                           # SIGTERM: saved, now exit
+    ckpt.close()                        # waits for the last save
+
+``export_params`` writes the parameters alone as a plain orbax checkpoint in
+the structure given to ``Engine.init``, which Flax code loads without
+zero_jax; ``load_params`` reads such a checkpoint back, already sharded, to
+start training with a fresh optimizer (both in ``checkpoint_export``,
+importable from here).
+
+Around ``Checkpointer``: ``checkpoint_compat`` checks that a checkpoint fits
+the model and optimizer before orbax reads it, and ``checkpoint_files``
+holds what it needs of the file system and of orbax's threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+from typing import Any
+
+from etils import epath
+import jax
+import orbax.checkpoint as ocp
+
+from zero_jax.checkpoint._matching import check_matches, outline
+from zero_jax.checkpoint._export import export_params, load_params
+from zero_jax.checkpoint._files import (COMMIT_FILE, at_thread_shutdown,
+                                       check_usable, commit_time,
+                                       operation_id, release_orbax_threads)
+from zero_jax.train import Engine, LossScaleState, TrainState
+
+# The parts of the TrainState a checkpoint stores (compute_params is derived).
+_STORED = ("step", "params", "opt_state", "rng")
+
+
+class CheckpointWriteError(OSError):
+  """Saving a checkpoint failed; the checkpoints committed before are intact.
+
+  Raised by ``Checkpointer.save`` when the directory cannot take the
+  checkpoint, and by the next ``save``, ``wait`` or ``close`` when an
+  asynchronous save failed in the background (a full disk, a lost
+  permission, a file system error). ``step`` and ``directory`` say which
+  save; ``__cause__`` is the error underneath.
+  """
+
+  def __init__(self, message: str, step: int, directory: str):
+    super().__init__(message)
+    self.step = step
+    self.directory = directory
+
+
+class Checkpointer:
+  """Saves and restores ``TrainState`` s under one directory, with orbax.
+
+  Every process of a multi-process run must create it and call ``save``
+  and ``restore`` together (each writes and reads only its own shards).
+
+  Args:
+    directory: where checkpoints go, one sub-directory per step (created).
+      A local path or anything orbax accepts (e.g. ``gs://``).
+    max_to_keep: keep only the last ``max_to_keep`` checkpoints (None: all).
+    async_save: ``save`` returns once the state is copied off the devices
+      and writes in a background thread; the next ``save``, ``wait`` or
+      ``close`` waits for it. A save is committed by an atomic rename, so a
+      process killed mid-save leaves the previous checkpoints intact and
+      ``latest_step`` never returns a partial one.
+    handle_sigterm: in a single-process run, catch SIGTERM so that
+      ``reached_preemption`` turns true, once the training loop has called
+      it (before that, and on a second SIGTERM, the process terminates as
+      usual). Multi-process runs use JAX's preemption service instead,
+      which agrees on one step for all processes.
+
+  Raises:
+    OSError: a local ``directory`` is a file, or cannot be created or
+      written (``NotADirectoryError``, ``PermissionError``, ...); the
+      message names the path and the fix.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *,
+               max_to_keep: int | None = 3, async_save: bool = True,
+               handle_sigterm: bool = True):
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+    self.directory = os.fspath(directory)
+    self._local = "://" not in self.directory
+    if self._local:
+      # Orbax would accept a file or an unwritable path here and fail only
+      # in its background threads, which then keep the process alive.
+      check_usable(self.directory)
+    self._manager = ocp.CheckpointManager(
+        os.path.abspath(self.directory) if self._local else self.directory,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "loss_scale": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+            create=True))
+    self._root = epath.Path(self._manager.directory)
+    self._pending: tuple[int, str | None] | None = None  # (step, operation)
+    self._committed: set[int] = set()  # steps verified on disk
+    self._max_to_keep = max_to_keep
+    self._check_no_strays()
+    self._sigterm = threading.Event()
+    self._polled = False
+    at_thread_shutdown(self)
+    self._previous_handler = None
+    self._installed = False
+    if (handle_sigterm and jax.process_count() == 1 and
+        threading.current_thread() is threading.main_thread()):
+      self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+      self._installed = True
+
+  def _check_no_strays(self) -> None:
+    """Raises if ``max_to_keep`` would count directories that are not
+    committed zero_jax checkpoints: orbax keeps the highest step numbers,
+    so a stray ``9`` would have it delete the real checkpoints instead."""
+    if self._max_to_keep is None:
+      return
+    strays = sorted(set(self._manager.all_steps()) - set(self.all_steps()))
+    if strays:
+      raise FileExistsError(
+          f"{self.directory!r} holds directories named like steps that are "
+          f"not committed zero_jax checkpoints: {strays} (an interrupted save "
+          "or foreign files). With max_to_keep, orbax would count them as "
+          "checkpoints and delete real ones in their place. Move or delete "
+          "them, or save to another directory (max_to_keep=None keeps "
+          "everything and only reads past them).")
+
+  def _on_sigterm(self, signum, frame) -> None:
+    # Deferred only for a loop that asks (reached_preemption); otherwise,
+    # or on a second SIGTERM, the process terminates as it would have.
+    if self._polled and not self._sigterm.is_set():
+      self._sigterm.set()
+      return
+    previous = self._previous_handler
+    if callable(previous):
+      previous(signum, frame)
+      return
+    signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  # ---------------------------------------------------------------- save
+
+  def save(self, state: TrainState, *,
+           engine: Engine | None = None) -> bool:
+    """Saves ``state`` as the checkpoint of step ``state.step``.
+
+    Args:
+      state: the train state (not consumed: keep training with it).
+      engine: the engine that made it; if given, its config is recorded in
+        the checkpoint's metadata (shown when a restore fails).
+
+    Returns:
+      True if a checkpoint was started, False if this step has one already.
+
+    Raises:
+      CheckpointWriteError: the previous asynchronous save failed (nothing
+        of this step is started then), or the directory cannot take this
+        one. The checkpoints committed before are intact.
+      FileExistsError: the directory of this step exists but is not a
+        committed zero_jax checkpoint.
+    """
+    step = int(state.step)
+    # (E.g. a periodic save and a preemption save coincide.)
+    if self._pending is not None and self._pending[0] == step:
+      return False  # being saved
+    self._finish()  # (orbax would wait for the previous save here anyway)
+    self._check_no_strays()
+    if step in self._manager.all_steps():
+      if self._is_committed(step):
+        return False
+      raise FileExistsError(
+          f"{str(self._step_path(step))!r} exists but is not a committed "
+          "zero_jax checkpoint (an interrupted save or a foreign directory); "
+          "move or delete it, then save again")
+    if self._local:
+      try:
+        check_usable(self.directory)
+      except OSError as e:
+        raise self._write_error(step, e, "could not start") from e
+    items = {"state": ocp.args.StandardSave(
+        {k: getattr(state, k) for k in _STORED})}
+    if state.loss_scale is not None:
+      items["loss_scale"] = ocp.args.StandardSave(_ls_dict(state.loss_scale))
+    meta = {"format": 1, "step": step,
+            "num_devices": jax.device_count(),
+            "process_count": jax.process_count(),
+            "opt_state": outline(state.opt_state)}
+    if engine is not None:
+      # (JSON: tuples become lists.)
+      meta["config"] = dataclasses.asdict(engine.config)
+    try:
+      started = self._manager.save(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonSave(meta), **items))
+    except (OSError, ValueError) as e:  # (orbax's "could not create")
+      release_orbax_threads(operation_id())
+      raise self._write_error(step, e, "failed") from e
+    if started:
+      self._pending = (step, operation_id())
+    return started
+
+  def wait(self) -> None:
+    """Blocks until the last asynchronous save is committed.
+
+    Raises:
+      CheckpointWriteError: it failed; the checkpoints committed before are
+        intact.
+    """
+    self._finish()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases the directory.
+
+    Raises:
+      CheckpointWriteError: the last save failed (the directory is released
+        all the same).
+    """
+    try:
+      self._finish()
+    except BaseException:
+      self._release(quiet=True)  # the first error is the one to report
+      raise
+    self._release(quiet=False)
+
+  def _release(self, quiet: bool) -> None:
+    try:
+      self._manager.close()
+    except Exception:  # pylint: disable=broad-except
+      if not quiet:
+        raise
+    finally:
+      if self._installed:
+        signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
+        self._installed = False
+
+  def _finish(self) -> None:
+    """Waits for the pending save; a failure becomes a CheckpointWriteError
+    naming its step (orbax raises it once, unnamed, or only logs it)."""
+    pending, self._pending = self._pending, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      if pending is None:
+        raise
+      raise self._failed(pending, e) from e
+    if pending is not None and not self._is_committed(pending[0]):
+      # Orbax logs some failures (e.g. of its commit callback) and goes on.
+      raise self._failed(pending, RuntimeError(
+          "the checkpoint was not committed; see orbax's log above"))
+
+  def _failed(self, pending: tuple[int, str | None],
+              e: BaseException) -> CheckpointWriteError:
+    # The save's other threads may wait for a step directory that will
+    # never come (until orbax's 300 s timeout), holding the process at exit.
+    release_orbax_threads(pending[1])
+    try:
+      # Orbax dropped the steps this save was to replace (max_to_keep) from
+      # its list; they are still on disk, and still the ones to resume.
+      self._manager.reload()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    return self._write_error(pending[0], e, "failed in the background")
+
+  def _write_error(self, step: int, e: BaseException,
+                   what: str) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"saving the checkpoint of step {step} in {self.directory!r} {what}"
+        f" ({type(e).__name__}: {e}). The checkpoints committed before are "
+        f"intact (kept: {self.all_steps()}). Free space or fix the "
+        "directory's permissions and save again, or save to another "
+        "directory.", step, self.directory)
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # ------------------------------------------------------------- restore
+
+  def latest_step(self) -> int | None:
+    """The step of the newest complete checkpoint, or None if there is
+    none."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def all_steps(self) -> list[int]:
+    """The steps of every complete checkpoint kept, oldest first.
+
+    Only committed zero_jax checkpoints count: a directory named like a
+    step that orbax never committed, or that zero_jax did not write, is
+    left out.
+    """
+    return [s for s in sorted(self._manager.all_steps())
+            if self._is_committed(s)]
+
+  def _step_path(self, step: int) -> epath.Path:
+    return self._root / str(step)
+
+  def _is_committed(self, step: int) -> bool:
+    """Whether the directory of ``step`` is a finished zero_jax checkpoint:
+    orbax's commit marker (``commit_success.txt``, or, from orbax versions
+    that commit by the rename alone, the commit time in its step metadata)
+    and zero_jax's own items. A committed checkpoint never changes, so the
+    answer is kept."""
+    if step in self._committed:
+      return True
+    path = self._step_path(step)
+    try:
+      ok = ((path / "meta" / "metadata").exists() and
+            (path / "state").is_dir() and
+            ((path / COMMIT_FILE).exists() or commit_time(path)))
+    except OSError:  # unreadable: not a checkpoint to restore
+      ok = False
+    if ok:
+      self._committed.add(step)
+    return ok
+
+  def restore(self, engine: Engine, params: Any, *,
+              step: int | None = None) -> TrainState:
+    """Restores a checkpoint into ``engine``'s layout.
+
+    The checkpoint may come from any stage, device count, mesh or offload
+    setting: each device reads its own shard of every array from disk.
+
+    Args:
+      engine: the engine to continue training with.
+      params: the parameters as given to ``engine.init``, or only their
+        structure (``jax.ShapeDtypeStruct`` leaves, e.g. from
+        ``jax.eval_shape``): used for the tree and shapes, never read.
+      step: which checkpoint; default the latest complete one.
+
+    Returns:
+      The ``TrainState``, as if training had never stopped.
+
+    Raises:
+      FileNotFoundError: no checkpoint (of that step) in the directory.
+      ValueError: the checkpoint's tree, shapes or dtypes differ from this
+        model and optimizer; the message names the first differing leaf.
+    """
+    step = self._resolve_step(step)
+    target = engine.abstract_state(params)
+    stored, has_scale = self._stored_metadata(step)
+    tree = {k: getattr(target, k) for k in _STORED}
+    meta = self._meta(step)
+    for part in _STORED:
+      check_matches(tree[part], stored.get(part), part, self._where(step),
+                    meta)
+    items = {"state": ocp.args.StandardRestore(tree)}
+    # A run resumed from a checkpoint without a loss scale (or skip count)
+    # starts a fresh one.
+    if target.loss_scale is not None and has_scale:
+      items["loss_scale"] = ocp.args.StandardRestore(
+          _ls_dict(target.loss_scale))
+    try:
+      r = self._manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax raises many types; say which checkpoint
+      if "tree structures do not match" in str(e):
+        # A difference the checks above missed is still not corruption.
+        raise ValueError(
+            f"{self._where(step)} does not match this model and optimizer "
+            f"({e}); restore with the model and optimizer it was saved with "
+            "(the stage, mesh and offload may differ)") from e
+      raise self._unreadable(step, e) from e
+    # (Whether the stored scale is a loss scale for this engine, or only a
+    # skip count to carry into a fresh one, is the engine's to decide.)
+    loss_scale = (LossScaleState(**r["loss_scale"]) if "loss_scale" in items
+                  else None)
+    state = TrainState(**r["state"], loss_scale=loss_scale)
+    return engine.complete_state(state)
+
+  def _resolve_step(self, step: int | None) -> int:
+    steps = self.all_steps()
+    if step is None:
+      if not steps:
+        raise FileNotFoundError(
+            f"no complete checkpoint in {self.directory!r}; start with "
+            "engine.init(params) (check latest_step() is not None first)")
+      return steps[-1]
+    if step not in steps:
+      if step in self._manager.all_steps():
+        raise FileNotFoundError(
+            f"{str(self._step_path(step))!r} is not a committed zero_jax "
+            "checkpoint (an interrupted save or a foreign directory: no "
+            f"commit marker or no zero_jax metadata); restore one of {steps}")
+      raise FileNotFoundError(f"no checkpoint of step {step} in "
+                              f"{self.directory!r}; kept: {steps}")
+    return step
+
+  def _where(self, step: int) -> str:
+    return f"checkpoint of step {step} in {self.directory!r}"
+
+  def _unreadable(self, step: int, e: Exception) -> ValueError:
+    return ValueError(
+        f"could not read {self._where(step)} ({type(e).__name__}: {e}); it "
+        "is corrupt or not a zero_jax checkpoint: restore an earlier one "
+        f"with step= (kept: {self.all_steps()})")
+
+  def _stored_metadata(self, step: int) -> tuple[dict[str, Any], bool]:
+    """The stored state's tree of array metadata, and whether the
+    checkpoint has a loss scale."""
+    try:
+      items = self._manager.item_metadata(step)
+      md = items["state"]
+    except Exception as e:  # a missing or unreadable metadata file
+      raise self._unreadable(step, e) from e
+    if md is None:
+      raise ValueError(f"{self._where(step)} has no 'state' item; it is not "
+                       "a zero_jax checkpoint")
+    return (dict(getattr(md, "tree", md)),
+            items.get("loss_scale") is not None)
+
+  def _meta(self, step: int) -> dict[str, Any]:
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))["meta"] or {}
+    except Exception:  # metadata is informative only
+      return {}
+
+  # ----------------------------------------------------------- preemption
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether to save a final checkpoint at ``step`` and exit.
+
+    Single process: true once the process got SIGTERM. Several processes:
+    JAX's preemption service (started by ``jax.distributed.initialize``)
+    propagates one process's SIGTERM to all and picks the same step for
+    every process; call this at every step, on every process.
+    """
+    self._polled = True
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self._sigterm.is_set()
+
+
+# --------------------------------------------------------------- helpers
+
+def _ls_dict(ls: Any) -> dict[str, Any]:
+  return {f.name: getattr(ls, f.name) for f in dataclasses.fields(ls)}
+
+
+__all__ = ["CheckpointWriteError", "Checkpointer", "export_params",
+           "load_params"]

@@ -1,0 +1,409 @@
+"""ZeRO configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from zero_jax.config._checks import (check_bool, check_choice, check_float,
+                                     check_int, fail, is_int)
+from zero_jax.config._remat import REMAT_POLICIES, RematPolicy, check_remat
+
+# The ZeRO stages: 0 (plain data parallelism) to 3.
+STAGES = (0, 1, 2, 3)
+_COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+# Counters the loss scaler and the skip logic keep on the device are int32.
+_INT32_MAX = int(np.iinfo(np.int32).max)
+# jax.random.PRNGKey takes a seed that fits in int64.
+_INT64 = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
+# The loss scale lives in float32: 2.0**128 is already inf there, and an
+# infinite scale overflows every step, so every step would be skipped.
+_MAX_SCALE_POWER = int(math.floor(math.log2(np.finfo(np.float32).max)))
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+  """How a model is laid out and trained over the ``data`` axis of a mesh.
+
+  Attributes:
+    stage: ZeRO stage. 0: plain data parallelism (everything replicated,
+      gradients all-reduced). 1: optimizer state and fp32 master weights
+      sharded, gradients reduce-scattered after backward. 2: as 1, but each
+      gradient leaf is reduce-scattered as soon as backward produces it.
+      3: parameters sharded too and all-gathered where they are used.
+    min_shard_elements: leaves with fewer elements than this are replicated
+      rather than sharded (the gather would cost more than the memory saved;
+      DeepSpeed calls this ``stage3_param_persistence_threshold``). Every such
+      leaf is listed by ``Engine.describe()``.
+    seed: seed of the per-step, per-device PRNG key handed to ``loss_fn``
+      when the engine is built with ``with_rng=True``.
+    remat: rematerialization policy of each layer run by
+      ``zero_jax.scan_layers`` (see ``REMAT_POLICIES``): ``"full"`` (save
+      nothing, recompute the layer and re-gather its parameters in backward;
+      the default), ``"none"`` (keep everything, including stage 3's gathered
+      parameters), ``"dots_saveable"`` (keep matmul outputs, not gathered
+      parameters), ``"attention_saveable"`` (keep cuDNN flash attention's
+      outputs and statistics), ``"dots_attention_saveable"`` (both),
+      ``"save_only_named"`` (keep the activations tagged with
+      ``zero_jax.checkpoint_name`` for a name in ``remat_names``),
+      ``"offload_to_host"`` (move those to host memory until backward) or
+      ``"auto"`` (the fastest that fits the device, chosen when the step
+      is first compiled). Held as a ``RematPolicy``, which equals its name.
+    remat_names: the ``checkpoint_name`` tags the named policies act on.
+    device_memory_bytes: the memory per device ``remat="auto"`` fits the
+      compiled step into (None: what the device reports).
+    layer_classes: the blocks run one at a time (a block's parameters
+      gathered at its call and in its remat'd backward at stage 3, its
+      gradients reduce-scattered as backward leaves it at stages 2-3) when
+      called in a Python loop (``zero_jax.blocks``): None (the default)
+      finds them, as sibling Flax modules with identical parameter shapes;
+      a tuple of class names (Accelerate's wrap policy) names them; ``()``
+      turns it off. Scanned layers (``scan_layers``) are per layer anyway.
+    compute_dtype: dtype of forward/backward and of the communicated
+      parameters (``"bfloat16"``, ``"float16"``; None: float32 throughout).
+      Master parameters and optimizer state stay float32; at stages 1-2 a
+      replicated compute-dtype copy of the parameters is kept for forward
+      and refreshed by an all-gather in the compute dtype after each update.
+    reduce_dtype: dtype gradients are summed in across devices. None (the
+      default) sums in float32 whatever the compute dtype: exact sums cost
+      twice the reduce-scatter bytes of bf16; set ``"bfloat16"`` to halve
+      them.
+    grad_accum_steps: micro-batches per step, run by a scan inside the
+      jitted step. None: 1, or derived from the batch sizes below by
+      DeepSpeed's rule. Stages 0-1 accumulate each device's full gradient
+      and reduce it once; stages 2-3 reduce every micro-batch's gradient
+      and accumulate the shard.
+    train_batch_size: global batch per step (all devices, all
+      micro-batches); ``step`` rejects any other. Optional.
+    micro_batch_size: examples per device per micro-batch (DeepSpeed's
+      ``train_micro_batch_size_per_gpu``). Optional; see ``batch_sizes``.
+    clip_grad_norm: clip gradients to this global norm over the whole model
+      (optax's ``clip_by_global_norm`` semantics), computed exactly across
+      every shard. None: no clipping. The pre-clip norm is always reported
+      as the ``grad_norm`` metric.
+    loss_scale: float16 compute only. 0 (the default): dynamic loss scaling
+      with DeepSpeed's rules (below); > 0: this static scale. A step whose
+      gradients hold an inf or nan on any device is skipped on all devices.
+    initial_scale_power: dynamic scaling starts at 2**this; at most 127,
+      as the scale is float32 (2**128 is inf there).
+    loss_scale_window: clean steps after which the dynamic scale doubles.
+    hysteresis: overflows tolerated before the scale halves (DeepSpeed's
+      ``delayed_shift``; reset when the scale doubles).
+    min_loss_scale: the dynamic scale never goes below this; an overflow at
+      this scale is an error (training has diverged).
+    consecutive_hysteresis: refill the hysteresis on every clean step
+      rather than only when the scale doubles.
+    offload_optimizer: ``"host"`` keeps the optimizer state in pinned host
+      memory between steps, and the fp32 master parameters too wherever
+      forward reads a separate compute-dtype copy (stages 1-2 with a
+      ``compute_dtype``; stage 3 with a ``compute_dtype`` keeps a sharded
+      compute copy on the device for that). None keeps both on the device.
+    offload_params: stage 3 only. ``"host"`` keeps the fp32 master shards in
+      pinned host memory; forward and backward copy each layer's shards to
+      the device just before gathering them (inside ``scan_layers``).
+      At stage 3, whenever forward gathers from something other than the
+      device master (this option, or ``offload_optimizer`` with a
+      ``compute_dtype``) and there is one micro-batch per step, the
+      gradient shards of the leaves the update streams also go to host
+      memory as backward makes them (ZeRO-Offload), and the update reads
+      them back a slice at a time.
+    update_on: where the optimizer update runs when state is offloaded:
+      ``"device"`` (the default) streams the offloaded state through the
+      device a slice at a time (a loop over the layer axis of stacked
+      leaves, and rows of other large leaves: ``zero_jax.stream``), so the
+      device holds a few slices of master and moments, never all of them.
+      Exact for updates that keep rows and leaves apart (adam, adamw, lion,
+      sgd, adafactor); a global norm in ``tx`` is an error that names
+      ``clip_grad_norm``. ``"host"`` is ZeRO-Offload's
+      split (``zero_jax.host_update``): master and optimizer state live in
+      host RAM on this process's CPU devices, a program of their own
+      updates them there with every core, and only gradients (down) and
+      the compute copy (up) cross to the device, which holds the compute
+      copy, gradients and activations. Give JAX one CPU device per core
+      (``jax.config.update("jax_num_cpu_devices", os.cpu_count())`` before
+      JAX starts). Any optax chain is exact. Single-process runs only.
+    delay_update: with ``update_on="host"``, DeepSpeed's one-step delayed
+      parameter update: each step's forward and backward read the
+      parameters from before the previous step's update (the first step
+      after ``init`` or a restore reads the current ones), so the host
+      updates step t while the device computes step t+1. This changes the
+      math: every gradient is applied one update late. It hides the host
+      update's time; the device briefly holds two compute copies.
+    skip_nonfinite: a step whose global gradient norm is not finite (NaN
+      or inf gradients in fp32/bf16) is skipped on all devices: the state
+      stays as it was except the step counter, and the metrics say
+      ``skipped``; float16 keeps its loss-scale rules.
+    max_consecutive_skips: after this many skipped steps in a row the next
+      ``engine.step`` raises ``FloatingPointError``; must be an int >= 1.
+
+  Raises:
+    ValueError: on construction, when a field has the wrong type (ints must
+      be ints, not bools, floats or strings; bools must be bools) or is out
+      of range, or when fields contradict each other. The message names
+      the field, the value and the fix.
+  """
+
+  stage: int = 3
+  min_shard_elements: int = 1024
+  seed: int = 0
+  remat: RematPolicy | str = RematPolicy.FULL
+  remat_names: tuple[str, ...] = ()
+  device_memory_bytes: int | None = None
+  layer_classes: tuple[str, ...] | None = None
+  compute_dtype: str | None = None
+  reduce_dtype: str | None = None
+  grad_accum_steps: int | None = None
+  train_batch_size: int | None = None
+  micro_batch_size: int | None = None
+  clip_grad_norm: float | None = None
+  loss_scale: float = 0.0
+  initial_scale_power: int = 16
+  loss_scale_window: int = 1000
+  hysteresis: int = 2
+  min_loss_scale: float = 1.0
+  consecutive_hysteresis: bool = False
+  offload_optimizer: str | None = None
+  offload_params: str | None = None
+  update_on: str = "device"
+  delay_update: bool = False
+  skip_nonfinite: bool = True
+  max_consecutive_skips: int = 10
+
+  def __post_init__(self):
+    self._check_fields()
+    self._check_combinations()
+
+  def _set(self, name: str, value: Any) -> None:
+    object.__setattr__(self, name, value)  # the dataclass is frozen
+
+  def _check_fields(self) -> None:
+    """Checks each field on its own, normalizing numbers to int/float.
+
+    (numpy scalars become Python ones, so that equal configs hash alike.)
+    """
+    if not (is_int(self.stage) and self.stage in STAGES):
+      fail("stage", f"one of {STAGES}", self.stage,
+            "use 0 for plain data parallelism, 1 to shard optimizer state, "
+            "2 to also shard gradients, 3 to also shard parameters.")
+    self._set("stage", int(self.stage))
+    self._set("min_shard_elements", check_int(
+        "min_shard_elements", self.min_shard_elements, 0,
+        fix="use 0 to shard every leaf that has a dimension divisible by the "
+        "number of devices."))
+    self._set("seed", check_int(
+        "seed", self.seed, *_INT64,
+        fix="jax.random.PRNGKey takes an integer that fits in int64."))
+    if not isinstance(self.remat, str) or self.remat not in REMAT_POLICIES:
+      fail("remat", f"one of {sorted(REMAT_POLICIES)}", self.remat,
+            "'full' (the default) recomputes each layer in backward.")
+    if isinstance(self.remat_names, (str, bytes)):
+      raise ValueError("ZeroConfig.remat_names must be a tuple of names, got "
+                       f"the string {self.remat_names!r}; write "
+                       f"({self.remat_names!r},)")
+    try:
+      names = tuple(self.remat_names)
+    except TypeError:
+      fail("remat_names", "a tuple of checkpoint_name tags",
+            self.remat_names, "write e.g. ('mlp_hidden',), or () for none.")
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+      fail("remat_names", "a tuple of non-empty strings", self.remat_names,
+            f"{bad[0]!r} is not a checkpoint_name tag; write the names given "
+            "to zero_jax.checkpoint_name.")
+    self._set("remat_names", names)
+    # (As the enum: equal to its name, so remat="full" reads the same.)
+    self._set("remat", check_remat(self.remat, names))
+    self._set("device_memory_bytes", check_int(
+        "device_memory_bytes", self.device_memory_bytes, 1, optional=True,
+        fix="give bytes per device, e.g. 80 * 2**30, or None for what the "
+        "device reports."))
+    classes = self.layer_classes
+    if classes is not None:
+      if (isinstance(classes, (str, bytes)) or
+          not isinstance(classes, (tuple, list)) or
+          not all(isinstance(c, str) and c for c in classes)):
+        fail("layer_classes", "None or a tuple of class names", classes,
+             "write e.g. ('Block',), or () to run no block as a unit.")
+      self._set("layer_classes", tuple(classes))
+    for name in ("compute_dtype", "reduce_dtype"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      try:
+        canonical = jnp.dtype(value).name
+      except (TypeError, ValueError):
+        canonical = None
+      if canonical not in _COMPUTE_DTYPES:
+        fail(name, f"None or one of {_COMPUTE_DTYPES}", value,
+              "None keeps float32" + (
+                  " throughout." if name == "compute_dtype" else
+                  " sums; 'bfloat16' halves the reduce-scatter bytes."))
+      self._set(name, canonical)
+    for name, fix in (
+        ("grad_accum_steps", "None runs one micro-batch per step, or "
+         "derives the count from the batch sizes."),
+        ("train_batch_size", "None leaves the global batch free."),
+        ("micro_batch_size", "None leaves the per-device batch free.")):
+      self._set(name, check_int(name, getattr(self, name), 1, optional=True,
+                            fix=fix))
+    self._set("clip_grad_norm", check_float(
+        "clip_grad_norm", self.clip_grad_norm, 0.0, strict=True,
+        optional=True, what="None (no clipping) or a finite number > 0",
+        fix="use None to turn clipping off, or a norm such as 1.0."))
+    self._set("loss_scale", check_float(
+        "loss_scale", self.loss_scale, 0.0, maximum=_FLOAT32_MAX,
+        what="0 (dynamic) or a finite number > 0 (static) that fits in "
+        "float32", fix="use 0 for dynamic loss scaling, or a power of two "
+        "such as 1024.0 for a static scale."))
+    self._set("initial_scale_power", check_int(
+        "initial_scale_power", self.initial_scale_power, 0, _MAX_SCALE_POWER,
+        fix=(f"the loss scale 2**power is kept in float32, where 2**"
+             f"{_MAX_SCALE_POWER + 1} and above are inf (every step would "
+             f"overflow and be skipped); the largest allowed power is "
+             f"{_MAX_SCALE_POWER} (DeepSpeed's default is 16).")))
+    self._set("loss_scale_window", check_int(
+        "loss_scale_window", self.loss_scale_window, 1, _INT32_MAX,
+        fix="it counts the clean steps before the dynamic scale doubles "
+        "(DeepSpeed's default is 1000)."))
+    self._set("hysteresis", check_int(
+        "hysteresis", self.hysteresis, 1, _INT32_MAX,
+        fix="it counts the overflows tolerated before the scale halves "
+        "(DeepSpeed's default is 2; 1 halves at once)."))
+    max_scale = 2.0 ** self.initial_scale_power
+    self._set("min_loss_scale", check_float(
+        "min_loss_scale", self.min_loss_scale, 0.0, strict=True,
+        maximum=max_scale,
+        what=f"> 0 and at most the initial scale 2**"
+        f"{self.initial_scale_power} = {max_scale:g}",
+        fix="lower min_loss_scale (the default is 1.0), or raise "
+        "initial_scale_power."))
+    self._set("consecutive_hysteresis", check_bool(
+        "consecutive_hysteresis", self.consecutive_hysteresis,
+        "True refills the hysteresis on every clean step."))
+    if self.offload_optimizer in ("nvme", "disk"):
+      fail("offload_optimizer", "None or 'host'", self.offload_optimizer,
+            "offload to disk (NVMe) is not implemented; use 'host' to keep "
+            "the optimizer state in host memory.")
+    check_choice("offload_optimizer", self.offload_optimizer, (None, "host"),
+                  "use 'host' to keep the optimizer state in host memory, "
+                  "None to keep it on the device.")
+    check_choice("offload_params", self.offload_params, (None, "host"),
+                  "use 'host' (stage 3) to keep the fp32 master shards in "
+                  "host memory, None to keep them on the device.")
+    check_choice("update_on", self.update_on, ("device", "host"),
+                  "'device' streams offloaded state through the device, "
+                  "'host' updates it on the host's CPU devices.")
+    self._set("delay_update", check_bool(
+        "delay_update", self.delay_update,
+        "True (with update_on='host') applies each update one step late."))
+    self._set("skip_nonfinite", check_bool(
+        "skip_nonfinite", self.skip_nonfinite,
+        "True skips steps whose gradients hold NaN or inf, False applies "
+        "them."))
+    self._set("max_consecutive_skips", check_int(
+        "max_consecutive_skips", self.max_consecutive_skips, 1, _INT32_MAX,
+        fix="it counts the skipped steps in a row tolerated before "
+        "engine.step raises FloatingPointError (the default is 10)."))
+
+  def _check_combinations(self) -> None:
+    """Checks the fields against each other (each is valid on its own)."""
+    if self.loss_scale > 0 and self.compute_dtype != "float16":
+      raise ValueError(
+          "ZeroConfig.loss_scale only applies to compute_dtype='float16' "
+          f"(got compute_dtype={self.compute_dtype!r}); bfloat16 and float32 "
+          "have float32's range and need no loss scaling.")
+    if self.offload_params and self.stage != 3:
+      raise ValueError(
+          f"ZeroConfig.offload_params needs stage=3 (got stage={self.stage}):"
+          " only stage 3 shards the parameters it would stream per layer; "
+          "at stages 1-2 use offload_optimizer='host' with a compute_dtype "
+          "to offload the fp32 master.")
+    if self.delay_update and self.update_on != "host":
+      raise ValueError("ZeroConfig.delay_update overlaps the host's update "
+                       "with the next step: set update_on='host' (and "
+                       "offload_optimizer='host') too")
+    if self.update_on == "host" and not (self.offload_optimizer
+                                         or self.offload_params):
+      raise ValueError("ZeroConfig.update_on='host' runs the update where "
+                       "offloaded state lives: set offload_optimizer='host' "
+                       "or offload_params='host' too")
+
+  @property
+  def dynamic_loss_scale(self) -> bool:
+    """Whether steps use DeepSpeed-style dynamic loss scaling."""
+    return self.compute_dtype == "float16" and self.loss_scale == 0
+
+  def batch_sizes(self, world_size: int) -> tuple[int | None, int | None,
+                                                  int]:
+    """Resolves the batch sizes on ``world_size`` devices, DeepSpeed's way.
+
+    ``train_batch_size = micro_batch_size * grad_accum_steps * world_size``:
+    any two of the three give the third; one alone leaves
+    ``grad_accum_steps`` at 1; none leaves the global batch free.
+
+    Args:
+      world_size: devices the batch is split over (every mesh axis).
+
+    Returns:
+      ``(train_batch_size, micro_batch_size, grad_accum_steps)``; the first
+      two are None when the config leaves the batch free.
+
+    Raises:
+      ValueError: the three contradict each other or do not divide.
+    """
+    train, micro, accum = (self.train_batch_size, self.micro_batch_size,
+                           self.grad_accum_steps)
+    given = (f"train_batch_size={train}, micro_batch_size={micro}, "
+             f"grad_accum_steps={accum}, {world_size} devices")
+    if train is None and micro is None:
+      return None, None, accum or 1
+    if train is None:
+      accum = accum or 1
+      return micro * accum * world_size, micro, accum
+    if micro is None:
+      accum = accum or 1
+      if train % (accum * world_size):
+        raise ValueError(
+            f"train_batch_size {train} is not divisible by grad_accum_steps "
+            f"x devices = {accum * world_size} ({given})")
+      return train, train // (accum * world_size), accum
+    if accum is None:
+      if train % (micro * world_size):
+        raise ValueError(
+            f"train_batch_size {train} is not divisible by micro_batch_size "
+            f"x devices = {micro * world_size} ({given})")
+      return train, micro, train // (micro * world_size)
+    if train != micro * accum * world_size:
+      raise ValueError(
+          f"batch sizes contradict: train_batch_size must equal "
+          f"micro_batch_size x grad_accum_steps x devices = "
+          f"{micro} x {accum} x {world_size} = {micro * accum * world_size} "
+          f"({given}); drop one of the three to have it derived")
+    return train, micro, accum
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ZeroConfig":
+    """Builds a config from a mapping, rejecting keys it does not know.
+
+    Args:
+      d: field names to values.
+
+    Returns:
+      The config.
+
+    Raises:
+      ValueError: a key is not a field of ``ZeroConfig``; the message lists
+        the valid fields.
+    """
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ValueError(
+          f"unknown ZeroConfig key(s) {unknown}; valid keys are "
+          f"{sorted(fields)}")
+    return cls(**d)

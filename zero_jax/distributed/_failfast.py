@@ -1,0 +1,419 @@
+"""Fail-fast and hang detection for multi-process runs.
+
+Used by ``zero_jax.distributed`` (``initialize(fail_fast=True)``) and by
+``python -m zero_jax.launch --watchdog``; ``step_done`` is re-exported as
+``zero_jax.distributed.step_done``.
+
+Failures. In a multi-process run a process that dies must not leave the
+others hanging in a collective. JAX's coordination service covers part of
+it: a process whose coordinator (process 0) dies aborts at once, and the
+coordinator aborts everyone ``heartbeat_timeout_seconds`` after any other
+process stops sending heartbeats. ``initialize`` adds what it misses (with
+``fail_fast=True``): a process that ends with an uncaught exception exits at
+once (JAX would first wait in its shutdown barrier for the others, until
+their heartbeats time out or, if they are alive but stuck in a collective,
+for the 300 s shutdown timeout) and tells the others, which exit within a
+second with the same exit code and a message naming the failed process and
+its error. A ``SystemExit`` with a non-zero code in the main thread counts
+as a failure with that exit code (code 0 does not: that process waits in
+JAX's shutdown barrier for the others, as without ``fail_fast``). Calls of
+``sys.exit(n)``, ``exit(n)`` and ``quit(n)`` are seen everywhere; a bare
+``raise SystemExit(n)`` only under ``python -m zero_jax.launch``, which runs
+the script through a wrapper that catches it (elsewhere it exits through
+JAX's barrier). A ``SystemExit`` that the script catches and swallows still
+counts, unless ``step_done()`` is called after it (training went on). A
+process killed by a signal is for the launcher (or JAX's heartbeats) to
+notice.
+
+Hangs. Under ``python -m zero_jax.launch --watchdog SECONDS`` every process
+reports its training steps through ``step_done()`` (``Engine.step`` calls
+it), which touches a per-process file the launcher watches (at most once a
+second; without the launcher's variable it does nothing). Importing this
+module there also registers ``faulthandler`` on SIGUSR1, so that the
+launcher can print a stuck process's Python stack.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Mapping
+
+# Set by ``python -m zero_jax.launch --watchdog``: the file this process
+# touches when it finishes a training step (``step_done``).
+ENV_HEARTBEAT_FILE = "ZERO_JAX_HEARTBEAT_FILE"
+# The signal on which a process started with ENV_HEARTBEAT_FILE prints every
+# thread's Python stack to its stderr.
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+# The coordination-service key a failing process writes its error to.
+_ABORT_KEY = "zero_jax/abort"
+_POLL_SECONDS = 1.0
+# Separates the error from the exit code in the abort value (a character no
+# error message holds).
+_CODE_MARK = "\x1f"
+# step_done() touches the heartbeat file at most this often: a step costs at
+# most one time.monotonic() call in between.
+_HEARTBEAT_SECONDS = 1.0
+# How often the launcher's watchdog looks at the heartbeat files.
+_WATCH_SECONDS = 0.5
+
+
+def global_state() -> Any:
+  """JAX's distributed-runtime state (its client, process id and count), or
+  None where a JAX version has moved it."""
+  try:
+    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+    return jax_distributed.global_state
+  except (ImportError, AttributeError):
+    return None
+
+
+def _client() -> Any:
+  """JAX's coordination-service client, or None."""
+  return getattr(global_state(), "client", None)
+
+
+class _FailFast:
+  """Ends every process of a run promptly when one of them fails.
+
+  A process whose main thread raises, or calls ``sys.exit`` with a non-zero
+  code, writes its exit code and error to the coordination service and exits
+  at once; a watchdog thread in every process polls for that error and exits
+  too, with the same code.
+  """
+
+  def __init__(self, client: Any, process_id: int):
+    self._client = client
+    self._pid = process_id
+    self._stop = threading.Event()
+    self._exit_code = 0  # non-zero: this process failed, exit with it
+    # The code of the main thread's last sys.exit() (None: not called, or
+    # training went on after it).
+    self.exit_requested: int | None = None
+    self._previous_hook = sys.excepthook
+    # (owner, name) -> (original, replacement) of each exit function wrapped.
+    self._exits: dict[tuple[Any, str], tuple[Any, Any]] = {}
+    self._thread = threading.Thread(target=self._watch, daemon=True,
+                                    name="zero_jax-fail-fast")
+
+  def start(self) -> None:
+    sys.excepthook = self._excepthook
+    # SystemExit never reaches sys.excepthook, and atexit handlers cannot see
+    # the exit code: only an exit function that records it can tell a
+    # failing sys.exit(3) from a normal end. (A bare ``raise SystemExit(3)``
+    # is seen only where the launcher runs the script: _RUNNER there.)
+    for owner, name in ((sys, "exit"), (builtins, "exit"), (builtins, "quit")):
+      original = getattr(owner, name, None)
+      if original is not None:  # (python -S has no exit() or quit())
+        self._exits[owner, name] = (original, self._recording(original))
+        setattr(owner, name, self._exits[owner, name][1])
+    # Registered after JAX's own exit handler, so it runs first: it must
+    # stop the watchdog before JAX shuts the client down.
+    atexit.register(self._at_exit)
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._halt()
+    atexit.unregister(self._at_exit)
+
+  def _halt(self) -> None:
+    self._stop.set()
+    if self._thread.is_alive() and threading.current_thread() is not \
+        self._thread:
+      self._thread.join(timeout=5)
+    # (==, not is: every self._excepthook is a new bound-method object.)
+    if sys.excepthook == self._excepthook:
+      sys.excepthook = self._previous_hook
+    for (owner, name), (original, wrapped) in self._exits.items():
+      if getattr(owner, name, None) is wrapped:
+        setattr(owner, name, original)
+    self._exits.clear()
+
+  def _watch(self) -> None:
+    while not self._stop.wait(_POLL_SECONDS):
+      if _client() is not self._client:
+        return  # jax.distributed.shutdown() was called
+      try:
+        message = self._client.key_value_try_get(_ABORT_KEY)
+      except Exception:  # pylint: disable=broad-except
+        # NOT_FOUND: nobody failed. Anything else: the coordinator is gone,
+        # and JAX's own error polling terminates this process.
+        continue
+      if self._stop.is_set():
+        return
+      code, text = _parse_abort(str(message))
+      _stderr(f"zero_jax.distributed: {text}; stopping process "
+              f"{self._pid} too.")
+      self._linger()
+      # The failed process's code: whichever process the launcher sees end
+      # first, the job's status is the failure's.
+      os._exit(code)  # pylint: disable=protected-access
+
+  def _recording(self, exit_function: Any) -> Any:
+    """``exit_function`` (``sys.exit``, ``exit``, ``quit``), remembering the
+    main thread's exit code."""
+    def recording_exit(*args: Any) -> None:
+      try:
+        exit_function(*args)
+      except SystemExit as e:
+        self.note_exit(e.code)
+        raise
+    return recording_exit
+
+  def note_exit(self, code: Any) -> None:
+    """Records ``SystemExit(code)`` raised in the main thread. (In another
+    thread, SystemExit ends only that thread.)"""
+    if threading.current_thread() is threading.main_thread():
+      self.exit_requested = _system_exit_code(code)
+
+  def _excepthook(self, exc_type, exc, tb) -> None:
+    self._previous_hook(exc_type, exc, tb)
+    self._fail(1, f"process {self._pid} failed with {exc_type.__name__}: "
+               f"{exc}")
+
+  def _fail(self, code: int, text: str) -> None:
+    """Marks this process failed with ``code`` and tells the others; if
+    another process failed first, takes that one's code instead."""
+    self._exit_code = code
+    self._stop.set()
+    if len(text) > 1000:
+      text = text[:1000] + "..."
+
+    def publish():
+      try:
+        self._client.key_value_set(_ABORT_KEY, _abort_value(code, text))
+        return
+      except Exception:  # pylint: disable=broad-except
+        pass  # another process failed first, or the coordinator is gone
+      try:
+        first = self._client.key_value_try_get(_ABORT_KEY)
+      except Exception:  # pylint: disable=broad-except
+        return
+      # This failure is most likely the other's consequence (a collective
+      # with a process that has gone): the job's status is the first one's,
+      # whichever process the launcher sees end first.
+      self._exit_code, first_text = _parse_abort(str(first))
+      _stderr(f"zero_jax.distributed: {first_text} before process "
+              f"{self._pid} failed.")
+
+    # In a thread, so that an unreachable coordinator cannot hold us here.
+    sender = threading.Thread(target=publish, daemon=True)
+    sender.start()
+    sender.join(timeout=5)
+
+  def _at_exit(self) -> None:
+    if not self._exit_code and self.exit_requested:
+      self._fail(self.exit_requested, f"process {self._pid} exited with "
+                 f"code {self.exit_requested} (SystemExit)")
+    self._halt()
+    if self._exit_code:
+      # Skip JAX's shutdown barrier: it would wait for processes that are
+      # stuck in a collective with this one, until a timeout.
+      _stderr(f"zero_jax.distributed: process {self._pid} exits with code "
+              f"{self._exit_code} without waiting for the others "
+              "(fail_fast).")
+      self._linger()
+      os._exit(self._exit_code)  # pylint: disable=protected-access
+
+  def _linger(self) -> None:
+    # Process 0 hosts the coordination service: give the others one more
+    # poll to read the error before it disappears with this process.
+    if self._pid == 0:
+      time.sleep(2 * _POLL_SECONDS)
+
+
+def _system_exit_code(code: Any) -> int:
+  """The exit status ``SystemExit(code)`` gives, as the OS reports it."""
+  if code is None:
+    return 0
+  if isinstance(code, int):
+    return code & 0xFF  # (sys.exit(256) exits 0, sys.exit(-1) 255)
+  return 1  # (Python prints a message to stderr and exits 1)
+
+
+def _abort_value(code: int, text: str) -> str:
+  """What a failing process publishes: its error, and its exit code unless
+  that is 1 (an uncaught exception's)."""
+  return text if code == 1 else f"{text}{_CODE_MARK}{code}"
+
+
+def _parse_abort(value: str) -> tuple[int, str]:
+  """``(exit code, text)`` of an ``_abort_value``."""
+  text, mark, code = value.rpartition(_CODE_MARK)
+  if mark:
+    try:
+      return int(code), text
+    except ValueError:
+      pass
+  return 1, value
+
+
+def _stderr(message: str) -> None:
+  try:
+    sys.stdout.flush()
+    print(message, file=sys.stderr, flush=True)
+  except Exception:  # pylint: disable=broad-except
+    pass
+
+
+_fail_fast: _FailFast | None = None
+
+
+def start_fail_fast(client: Any, process_id: int) -> None:
+  """Arms fail-fast for this process (``initialize(fail_fast=True)``)."""
+  global _fail_fast
+  _fail_fast = _FailFast(client, process_id)
+  _fail_fast.start()
+
+
+def stop_fail_fast() -> None:
+  """Disarms fail-fast, if armed (``zero_jax.distributed.shutdown``)."""
+  global _fail_fast
+  if _fail_fast is not None:
+    _fail_fast.stop()
+    _fail_fast = None
+
+
+class _Heartbeat:
+  """This process's heartbeat file, touched by ``step_done()``.
+
+  Created when this module is imported under ``zero_jax.launch --watchdog``
+  with mtime 0, which tells the launcher "running, no step yet"; every
+  later mtime means a step.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self.due = 0.0  # time.monotonic() of the next touch
+
+  def create(self) -> None:
+    try:
+      # O_EXCL: a subprocess of this one (a data loader) inherits the
+      # variable and imports this module too; it must not reset the file.
+      os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+      os.utime(self.path, ns=(0, 0))
+    except OSError:
+      pass
+
+  def beat(self) -> None:
+    now = time.monotonic()
+    if now < self.due:
+      return
+    self.due = now + _HEARTBEAT_SECONDS
+    try:
+      os.utime(self.path)
+    except OSError:
+      pass  # (the launcher removed it: it is ending the job)
+
+
+def _start_heartbeat(env: Mapping[str, str]) -> _Heartbeat | None:
+  """The heartbeat the launcher asked for, if it did; registers the stack
+  dump on ``STACK_DUMP_SIGNAL`` with it."""
+  path = env.get(ENV_HEARTBEAT_FILE, "").strip()
+  if not path:
+    return None
+  heartbeat = _Heartbeat(path)
+  if sys.stderr is not None:
+    try:
+      # The launcher sends the signal when the watchdog fires: the stacks
+      # say where the process hangs (in C code too, where Python's own
+      # signal handlers would never run).
+      faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr,
+                            all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError, RuntimeError):
+      pass  # (no usable stderr file descriptor: no stacks)
+  heartbeat.create()  # after the handler: the file says it is there
+  return heartbeat
+
+
+_heartbeat: _Heartbeat | None = _start_heartbeat(os.environ)
+
+
+def main_exited(code: Any) -> None:
+  """The launcher's runner saw the script end with ``SystemExit(code)``."""
+  guard = _fail_fast
+  if guard is not None:
+    guard.note_exit(code)
+
+
+def step_done() -> None:
+  """Reports that this process finished a training step.
+
+  ``Engine.step`` calls it once per step; a training loop that does not use
+  the engine calls it itself. It feeds the watchdog of ``python -m
+  zero_jax.launch --watchdog SECONDS``, which ends a job whose processes go
+  that long without a step. Costs one ``time.monotonic()`` call per step, a
+  file touch at most once a second, and nothing at all when the launcher's
+  watchdog is off.
+
+  It also tells ``fail_fast`` that training went on after a ``sys.exit``
+  the script caught: that call no longer decides the exit code.
+  """
+  heartbeat = _heartbeat
+  if heartbeat is not None:
+    heartbeat.beat()
+  guard = _fail_fast
+  if guard is not None and guard.exit_requested is not None:
+    guard.exit_requested = None
+
+
+# ------------------------------------------------- the launcher's side
+
+class Watchdog:
+  """The launcher's side of ``--watchdog``: tells when a running process
+  has gone too long without a step.
+
+  Each process touches its heartbeat file (``distributed.step_done``); the
+  file appears, with mtime 0, once the process has imported
+  ``zero_jax.distributed``, which registers its stack dump. Any later change
+  of the mtime is a step. Times are the launcher's own monotonic clock, not
+  the files' (which a clock change would move).
+  """
+
+  def __init__(self, limit: float, paths: list[str]):
+    self.limit = limit
+    self.paths = paths
+    now = time.monotonic()
+    self.last_step = [now] * len(paths)  # (launch counts as a step)
+    self.mtimes: list[int | None] = [None] * len(paths)
+    self.next_check = now
+
+  def _look(self, now: float) -> None:
+    for i, path in enumerate(self.paths):
+      try:
+        mtime = os.stat(path).st_mtime_ns
+      except OSError:
+        continue  # not started yet, or never imports zero_jax.distributed
+      if mtime != self.mtimes[i]:
+        self.mtimes[i] = mtime
+        if mtime != 0:
+          self.last_step[i] = now
+
+  def has_handler(self, i: int) -> bool:
+    """Whether process ``i`` registered the stack dump (else the signal
+    would kill it)."""
+    return self.mtimes[i] is not None
+
+  def stuck(self, running: list[int]) -> list[int]:
+    """The running processes that have gone ``limit`` seconds without a
+    step; checks at most every ``_WATCH_SECONDS``."""
+    now = time.monotonic()
+    if now < self.next_check:
+      return []
+    self.next_check = now + _WATCH_SECONDS
+    self._look(now)
+    return [i for i in running if now - self.last_step[i] >= self.limit]
+
+  def idle(self, i: int) -> float:
+    return time.monotonic() - self.last_step[i]
+
+
+__all__ = ["ENV_HEARTBEAT_FILE", "STACK_DUMP_SIGNAL", "Watchdog",
+           "global_state", "start_fail_fast", "step_done", "stop_fail_fast"]

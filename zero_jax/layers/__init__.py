@@ -1,0 +1,27 @@
+"""Layers: per-layer ZeRO inside the user's model.
+
+``scan_layers`` (stacked layers in a scan), ``layer`` (one block called in
+a loop), the Flax adapters ``scan_nnx`` and ``scan_linen``, and the blocks
+the engine finds and runs one at a time by itself.
+"""
+
+from jax.ad_checkpoint import checkpoint_name
+
+from zero_jax.layers._blocks import (Unit, describe_units, find_units,
+                                     intercepting, layer)
+from zero_jax.layers._flax import scan_linen, scan_nnx
+from zero_jax.layers._remat import remat_policy
+from zero_jax.layers._scan import scan_layers
+
+__all__ = [
+    "Unit",
+    "checkpoint_name",
+    "describe_units",
+    "find_units",
+    "intercepting",
+    "layer",
+    "remat_policy",
+    "scan_layers",
+    "scan_linen",
+    "scan_nnx",
+]

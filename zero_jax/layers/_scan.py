@@ -1,0 +1,108 @@
+"""Per-layer ZeRO inside a scan over stacked layer parameters.
+
+``scan_layers`` is ``jax.lax.scan`` for a stack of layers. Under an
+``Engine`` at stage 3 it all-gathers each layer's parameters just before the
+layer runs (and, under remat, again in backward, whose transpose
+reduce-scatters that layer's gradients right there); at stage 2 it
+reduce-scatters each layer's gradients as backward produces them. So one
+layer's full parameters and gradients are live at a time, not the whole
+model's. Outside an engine, or at stages 0-1, it is a plain (remat'd) scan.
+
+How it finds the parameters: while tracing ``loss_fn``, the engine hands
+over a ``zero_jax.materialize.LossContext`` listing every full parameter
+array it made, with its shard, layout and ``Materializer``. When such an
+array is among the scanned inputs, the scan runs over the shard instead and
+materializes one layer slice per iteration with the same ``Materializer``;
+the whole-model materialization the engine prepared is then unused and XLA
+drops it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from zero_jax import materialize
+from zero_jax.layers._remat import remat_policy
+from zero_jax.layout import LeafPlan
+
+# ``checkpoint_name(x, name)`` tags an activation for the named policies; it
+# is ``jax.ad_checkpoint.checkpoint_name``, re-exported for convenience.
+__all__ = ["NAMED_POLICIES", "REMAT_POLICIES", "checkpoint_name",
+           "remat_policy", "scan_layers"]
+
+
+def _slice_plan(lp: LeafPlan) -> LeafPlan:
+  """The plan of one layer slice of a stacked leaf (layer axis removed)."""
+  return LeafPlan(lp.shape[1:], lp.dim - 1)
+
+
+def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
+                *, remat: str | None = None,
+                remat_names: tuple[str, ...] | None = None
+                ) -> tuple[Any, Any]:
+  """``jax.lax.scan(f, init, xs)`` over stacked layers, ZeRO-aware.
+
+  Args:
+    f: the layer, ``f(carry, x) -> (carry, y)``; ``x`` holds one layer's
+      slice of every leaf of ``xs`` (e.g. ``{"w": (d, d), ...}`` for stacked
+      ``{"w": (L, d, d)}``).
+    init: initial carry (the hidden state).
+    xs: pytree whose leaves all have the layer count as leading dimension:
+      the stacked parameters, plus anything else to scan over.
+    remat: a key of ``REMAT_POLICIES``; default: the engine's
+      ``ZeroConfig.remat`` (``"full"`` outside an engine).
+    remat_names: ``checkpoint_name`` tags for the named policies; default:
+      the engine's ``ZeroConfig.remat_names``.
+
+  Returns:
+    ``(carry, ys)`` as from ``jax.lax.scan``.
+  """
+  context = materialize.current() or materialize.LossContext({})
+  policy_name = context.remat if remat is None else remat
+  names = context.remat_names if remat_names is None else tuple(remat_names)
+  policy = remat_policy(policy_name, names)
+  leaves, treedef = jax.tree.flatten(xs)
+  # Per leaf: what the scan iterates over, and how to turn one slice of it
+  # back into the layer's full parameter.
+  scanned, makers = [], []
+  for x in leaves:
+    handed = context.lookup(x)
+    if handed is None or handed.plan.dim in (None, 0):
+      # Not a ZeRO parameter, or split along the layer axis itself (then a
+      # layer lives on one device): scan the full array as given.
+      scanned.append(x)
+      makers.append(None)
+    else:
+      # (source is None when gathering from the shard itself.)
+      scanned.append((handed.shard, handed.source))
+      makers.append((handed.materializer, _slice_plan(handed.plan)))
+
+  if context.params and all(how is None for how in makers):
+    # Under an engine at stage 2-3 but none of the scanned arrays is a
+    # parameter the engine handed over: the layers fall back to whole-model
+    # gathering, which trains exactly but costs the memory ZeRO should save.
+    warnings.warn(
+        "zero_jax.scan_layers: none of xs is a parameter array the engine "
+        "passed to loss_fn, so layers are not gathered/reduced one at a "
+        "time. Pass the parameters to the scan unchanged (no astype, "
+        "jnp.stack or jax.checkpoint around the model in loss_fn; use "
+        "ZeroConfig.compute_dtype for low-precision compute).",
+        stacklevel=2)
+
+  def body(carry, sliced):
+    layer = []
+    for how, s in zip(makers, sliced):
+      if how is None:
+        layer.append(s)
+      else:
+        materializer, lp = how
+        layer.append(materializer(lp, *s))
+    return f(carry, treedef.unflatten(layer))
+
+  if policy is not None:
+    body = jax.checkpoint(body, policy=policy)
+  return jax.lax.scan(body, init, scanned)

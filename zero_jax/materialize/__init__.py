@@ -1,0 +1,31 @@
+"""How a sharded parameter becomes whole inside ``shard_map``, and its
+gradient a shard again.
+
+The per-leaf collectives over ``data`` (all-gather, reduce-scatter, and the
+custom-VJP pairs of the two), the ``Materializer`` that chooses among them
+for a placement, and the ``LossContext`` through which the train step tells
+the layer helpers which arrays it handed to ``loss_fn``.
+"""
+
+from zero_jax.materialize._collectives import (cast, gather_from,
+                                               gather_leaf, gather_replicated,
+                                               reduce_leaf, reduce_tree,
+                                               use_with_scattered_grad)
+from zero_jax.materialize._materializer import (HandedParam, LossContext,
+                                                Materializer, current,
+                                                handing_over)
+
+__all__ = [
+    "HandedParam",
+    "LossContext",
+    "Materializer",
+    "cast",
+    "current",
+    "gather_from",
+    "gather_leaf",
+    "gather_replicated",
+    "handing_over",
+    "reduce_leaf",
+    "reduce_tree",
+    "use_with_scattered_grad",
+]

@@ -1,0 +1,225 @@
+"""Per-leaf collectives over the ``data`` axis, used inside ``shard_map``.
+
+Every function here takes a ``LeafPlan`` (or a tree of them) and does the
+right thing for a sharded leaf (gather / reduce-scatter along its split
+dimension) and for a replicated one (nothing / all-reduce). On a 2-D
+``(replica, data)`` mesh, gradients are reduce-scattered inside the group and
+then the *shards* are all-reduced across groups (the cheap order: Ψ/N
+elements cross the slow links, not Ψ).
+
+Mixed precision: ``compute_dtype`` is the dtype parameters are gathered and
+used in (half the bytes of fp32 for bf16/fp16); ``reduce_dtype`` the dtype
+gradients are summed in. ``None`` keeps the array's own dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zero_jax._compat import varying_axes
+from zero_jax.layout import (DATA, LeafPlan, batch_axes, map_leaves,
+                             replica_axes)
+
+
+def cast(x: jax.Array, dtype) -> jax.Array:
+  """``x`` in ``dtype``; None keeps its own."""
+  return x if dtype is None else x.astype(dtype)
+
+
+def _all_axes() -> tuple[str, ...]:
+  return batch_axes(jax.sharding.get_abstract_mesh())
+
+
+def _to_replica_varying(x: jax.Array) -> jax.Array:
+  # Marking the shard varying over ``replica`` *before* the gather makes the
+  # transpose all-reduce the reduce-scattered shard across groups, not the
+  # full gradient.
+  # (Already varying there when a block's barrier joined it to the
+  # activation: zero_jax.blocks.)
+  vma = varying_axes(x)
+  axes = tuple(a for a in replica_axes() if a not in vma)
+  return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _like_of(x: jax.Array) -> jax.Array:
+  """A zero-size residual with ``x``'s dtype and varying axes (never its
+  data, nor its memory space)."""
+  z = jnp.zeros((0,), x.dtype)
+  axes = tuple(sorted(varying_axes(x)))
+  return jax.lax.pcast(z, axes, to="varying") if axes else z
+
+
+def _scatter_grad(dim: int, g: jax.Array, reduce_dtype, like: jax.Array):
+  """Reduce-scatter over ``data``, then all-reduce across replica groups,
+  in the dtype of ``like`` (``_like_of`` the shard). Where the shard itself
+  varies across groups (a block's barrier made it so: zero_jax.blocks), the
+  sum across groups is left to that variation's transpose."""
+  g = jax.lax.psum_scatter(cast(g, reduce_dtype), DATA,
+                           scatter_dimension=dim, tiled=True)
+  axes = tuple(a for a in replica_axes() if a not in varying_axes(like))
+  if axes:
+    g = jax.lax.psum(g, axes)
+  return g.astype(like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gather_mixed(dim: int, compute_dtype, reduce_dtype, x: jax.Array):
+  return jax.lax.all_gather(_to_replica_varying(x).astype(compute_dtype),
+                            DATA, axis=dim, tiled=True)
+
+
+def _gather_mixed_fwd(dim, compute_dtype, reduce_dtype, x):
+  # Only the dtype of x is needed in backward; a zero-size residual keeps it
+  # without saving the shard.
+  return (_gather_mixed(dim, compute_dtype, reduce_dtype, x), _like_of(x))
+
+
+def _gather_mixed_bwd(dim, compute_dtype, reduce_dtype, res, g):
+  return (_scatter_grad(dim, g, reduce_dtype, res),)
+
+
+_gather_mixed.defvjp(_gather_mixed_fwd, _gather_mixed_bwd)
+
+
+def gather_leaf(lp: LeafPlan, x: jax.Array, compute_dtype=None,
+                reduce_dtype=None) -> jax.Array:
+  """The full value of a leaf from its shard, in ``compute_dtype``.
+
+  A sharded leaf is cast, then all-gathered (so a bf16 gather moves half the
+  bytes of fp32); a replicated one is only marked device-varying and cast.
+  Under autodiff the gradient comes back reduced in the leaf's own layout and
+  dtype: reduce-scatter (in ``reduce_dtype``) for a sharded leaf, all-reduce
+  for a replicated one.
+  """
+  if not lp.sharded:
+    # pcast first, cast second: the all-reduce (pcast's transpose) then runs
+    # on the fp32 cotangent.
+    return cast(jax.lax.pcast(x, _all_axes(), to="varying"), compute_dtype)
+  if compute_dtype is None and reduce_dtype is None:
+    # Plain autodiff: all_gather's transpose is psum_scatter.
+    return jax.lax.all_gather(_to_replica_varying(x), DATA, axis=lp.dim,
+                              tiled=True)
+  return _gather_mixed(lp.dim, compute_dtype or x.dtype, reduce_dtype, x)
+
+
+def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
+                out_dtype=None) -> jax.Array:
+  """Sums a local full gradient over devices into the leaf's layout:
+  reduce-scatter along the split dimension, or all-reduce if replicated."""
+  out_dtype = out_dtype or g.dtype
+  if lp.sharded:
+    return _scatter_grad(lp.dim, g, reduce_dtype,
+                         jnp.zeros((0,), out_dtype))
+  return jax.lax.psum(cast(g, reduce_dtype), _all_axes()).astype(out_dtype)
+
+
+def reduce_tree(plans, tree, reduce_dtype=None, out_dtype=None):
+  """``reduce_leaf`` on every leaf of ``tree`` (``plans``: its plans)."""
+  return map_leaves(lambda lp, g: reduce_leaf(lp, g, reduce_dtype, out_dtype),
+                    plans, tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scatter_on_backward(dim: int, reduce_dtype, shard: jax.Array,
+                         full: jax.Array):
+  del shard
+  return full
+
+
+def _scatter_fwd(dim, reduce_dtype, shard, full):
+  del dim, reduce_dtype
+  return full, _like_of(shard)
+
+
+def _scatter_bwd(dim, reduce_dtype, res, g):
+  # The cotangent of the full copy is reduce-scattered right where backward
+  # produces it and becomes the cotangent of the shard; the full copy itself
+  # gets none (it is not what we differentiate with respect to).
+  return (_scatter_grad(dim, g, reduce_dtype, res), jnp.zeros_like(g))
+
+
+_scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+def use_with_scattered_grad(lp: LeafPlan, shard: jax.Array,
+                            full: jax.Array, reduce_dtype=None) -> jax.Array:
+  """Returns ``full`` (a device-varying replicated copy) such that the
+  gradient with respect to ``shard`` is the reduce-scattered gradient of
+  ``full`` (summed in ``reduce_dtype``, returned in ``shard``'s dtype),
+  computed as soon as backward reaches this use (ZeRO-2)."""
+  return _scatter_on_backward(lp.dim, reduce_dtype, shard, full)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _gather_from(dim: int, compute_dtype, reduce_dtype, to_device: bool,
+                 grad_to_host: bool, stand_in: jax.Array, source: jax.Array):
+  del stand_in, grad_to_host
+  if to_device:
+    source = jax.device_put(source, jax.memory.Space.Device)
+  return jax.lax.all_gather(_to_replica_varying(source).astype(compute_dtype),
+                            DATA, axis=dim, tiled=True)
+
+
+def _gather_from_fwd(dim, compute_dtype, reduce_dtype, to_device,
+                     grad_to_host, stand_in, source):
+  out = _gather_from(dim, compute_dtype, reduce_dtype, to_device,
+                     grad_to_host, stand_in, source)
+  return out, _like_of(stand_in)
+
+
+def _gather_from_bwd(dim, compute_dtype, reduce_dtype, to_device,
+                     grad_to_host, res, g):
+  # The source gets no gradient (None: a symbolic zero, which also suits a
+  # source in host memory).
+  grad = _scatter_grad(dim, g, reduce_dtype, res)
+  if grad_to_host:
+    # ZeRO-Offload: the gradient shard leaves the device as soon as
+    # backward has made it.
+    grad = jax.device_put(grad, jax.memory.Space.Host)
+  return grad, None
+
+
+_gather_from.defvjp(_gather_from_fwd, _gather_from_bwd)
+
+
+def gather_from(lp: LeafPlan, stand_in: jax.Array, source: jax.Array,
+                compute_dtype=None, reduce_dtype=None,
+                to_device: bool = False,
+                grad_to_host: bool = False) -> jax.Array:
+  """All-gathers the shard ``source`` while sending its gradient to
+  ``stand_in``.
+
+  Stage 3 when the shard forward reads is not the fp32 master: a sharded
+  compute-dtype copy, or a master shard in host memory (``to_device``
+  copies it to the device first, one layer at a time inside a scan). The
+  gradient is reduce-scattered in ``reduce_dtype`` and returned in
+  ``stand_in``'s dtype (a zero-valued fp32 array of the shard's shape), in
+  host memory if ``grad_to_host``.
+  """
+  return _gather_from(lp.dim, compute_dtype or source.dtype, reduce_dtype,
+                      to_device, grad_to_host, stand_in, source)
+
+
+def gather_replicated(plan: Any, tree: Any, dtype: Any = None) -> Any:
+  """Explicit all-gather of a tree's sharded leaves into replicated copies,
+  cast to ``dtype`` first (so a bf16 copy moves half the bytes). Runs its
+  own ``shard_map`` over ``plan.mesh`` (``plan``: a ``Plan``): call it on
+  global arrays, outside the step's ``shard_map``."""
+
+  def gather(lp, x):
+    x = cast(x, dtype)
+    return (jax.lax.all_gather(x, DATA, axis=lp.dim, tiled=True)
+            if lp.sharded else x)
+
+  fn = jax.shard_map(
+      lambda t: map_leaves(gather, plan.leaves, t),
+      mesh=plan.mesh, in_specs=(plan.specs,),
+      out_specs=plan.replicated_specs,
+      # all_gather's result is typed device-varying, but it is identical on
+      # every device by construction.
+      check_vma=False)
+  return fn(tree)

@@ -1,0 +1,33 @@
+"""The train step: ``Engine``, its ``TrainState`` and the jitted step.
+
+The engine lays out the state for the parameters it is given, builds the
+first state, and runs one jitted, donating step: loss and gradients inside
+``shard_map`` (reduced into the ZeRO layout), then the optimizer update on
+the sharded arrays.
+"""
+
+from zero_jax.train._engine import Engine
+from zero_jax.train._grads import Loss
+from zero_jax.train._layout import BatchLayout, Layout
+from zero_jax.train._loss_scale import LossScaleState
+from zero_jax.train._runner import StepFunction
+from zero_jax.train._state import TrainState
+from zero_jax.train._train_step import jit_step, train_step
+from zero_jax.train._update import OnDevice, UpdateStrategy
+from zero_jax.train._offloaded import OnHost, Streamed
+
+__all__ = [
+    "BatchLayout",
+    "Engine",
+    "Layout",
+    "Loss",
+    "LossScaleState",
+    "OnDevice",
+    "OnHost",
+    "StepFunction",
+    "Streamed",
+    "TrainState",
+    "UpdateStrategy",
+    "jit_step",
+    "train_step",
+]

@@ -1,0 +1,51 @@
+"""``ZeroConfig(remat="auto")``: the fastest rematerialization policy whose
+compiled step fits the device's memory.
+
+Keeping more of forward's activations for backward is faster (less to
+recompute) and costs memory; how much is a compile-time fact. When the step
+is first lowered or run, the engine compiles it with each policy of
+``AUTO_CANDIDATES``, fastest first, and keeps the first whose compiled peak
+(``memory_analysis()``) fits the device: ``ZeroConfig.device_memory_bytes``,
+else what the device reports (a GPU's allocator limit, a compile-only GPU's
+spec, a CPU device's share of the host's memory). None fitting, it keeps
+the leanest and says so. ``Engine.describe()`` gives the choice and the
+peaks behind it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from zero_jax._devices import compiled_memory, device_memory
+from zero_jax.config import AUTO_CANDIDATES, RematPolicy
+
+
+def choose(layout, lower: Callable[[Any], Any]) -> tuple[Any, str]:
+  """The layout with the remat policy to trace the step with, and why.
+
+  Args:
+    layout: a ``Layout`` whose remat is ``AUTO``.
+    lower: ``lower(layout)``, the step's ``Lowered`` for a layout.
+
+  Returns:
+    ``(layout, reason)``.
+  """
+  budget = (layout.config.device_memory_bytes or
+            device_memory(layout.mesh.devices.flat[0]))
+  tried = []
+  for name in AUTO_CANDIDATES:
+    candidate = dataclasses.replace(layout, remat=RematPolicy(name))
+    with jax.set_mesh(layout.mesh):
+      compiled = lower(candidate).compile()
+    peak = compiled_memory(compiled).peak
+    tried.append(f"{name} {peak / 2**30:.2f} GiB")
+    if budget is None or peak <= budget:
+      break
+  fits = budget is None or peak <= budget
+  limit = ("no known memory limit" if budget is None else
+           f"{'fits' if fits else 'none fits'} {budget / 2**30:.2f} GiB")
+  return candidate, (f"remat auto chose {candidate.remat.value} ({limit}; "
+                     f"compiled peaks: {', '.join(tried)})")

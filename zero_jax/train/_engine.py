@@ -1,0 +1,354 @@
+"""``Engine``: the facade over a ``Layout`` and its compiled step.
+
+The engine keeps what a training script hands it (the loss, ``tx``, the
+config and the mesh), lays out the state for the parameters ``init`` is
+given (``Layout.build``), and runs the step (``engine.step``). Everything
+the step does is a function of the layout; the engine only holds it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zero_jax import layers
+from zero_jax.config import RematPolicy, ZeroConfig
+from zero_jax.layout import DATA, REPLICA, Placement, Plan
+from zero_jax.train import _auto_remat, _checks, _init
+from zero_jax.train._grads import Loss
+from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
+                                    check_runs_here, signature)
+from zero_jax.train._runner import StepFunction
+from zero_jax.train._state import TrainState, on_device
+
+
+def _as_arrays(params: Any) -> Any:
+  """Python and numpy scalars among the parameters as float32 arrays (a
+  Python float is a valid scalar parameter)."""
+  return jax.tree.map(
+      lambda x: np.asarray(x, np.float32)
+      if isinstance(x, (float, np.floating)) else x, params)
+
+
+class Engine:
+  """Trains ``loss_fn`` with ``tx`` under ZeRO on ``mesh``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux=True``; or ``loss_fn(params, batch, rng)`` with
+      ``with_rng=True``), the *mean* loss over the examples it is given. It
+      runs on each device's slice of the global batch with the full
+      parameters, in the structure given to ``init``.
+    tx: any optax transformation. The update runs on the sharded arrays as
+      ordinary jit code, so global operations (norms, factored statistics)
+      are exact. With ``optax.inject_hyperparams`` (e.g.
+      ``optax.inject_hyperparams(optax.adamw)(learning_rate=schedule)``)
+      the ``learning_rate`` metric is the rate of the last update applied.
+    config: the ZeRO config.
+    mesh: a mesh from ``make_mesh``: a ``data`` axis (state is sharded over
+      it), optionally inside a ``replica`` axis (state replicated across it,
+      gradient shards all-reduced across it).
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; aux (a pytree of arrays)
+      is averaged over devices into the step's metrics under ``"aux"``.
+    with_rng: ``loss_fn`` takes a third argument, a PRNG key that differs on
+      every step, micro-batch and device: use it for dropout.
+
+  Raises:
+    ValueError: the mesh has no ``data`` axis or an axis the engine does
+      not use, the config's batch sizes contradict each other on this mesh
+      (see ``ZeroConfig.batch_sizes``), or ``update_on="host"`` in a
+      multi-process run.
+  """
+
+  def __init__(self, loss_fn: Callable[..., Any],
+               tx: optax.GradientTransformation, config: ZeroConfig,
+               mesh: Mesh, *, has_aux: bool = False, with_rng: bool = False):
+    check_mesh(mesh)
+    self.loss = Loss(loss_fn, has_aux, with_rng)
+    self.tx = tx
+    self.config = config
+    self.mesh = mesh
+    self.batch = BatchLayout.of(config, mesh)
+    # Where master, moments, gradients and the compute copy live, and where
+    # the update runs: decided once.
+    self.placement = Placement.of(config, self.batch.grad_accum_steps)
+    check_runs_here(self.placement)
+    # Built by init (or abstract_state) for the layout of its parameters.
+    self.layout: Layout | None = None
+    # Why remat="auto" chose its policy (set when the step is first
+    # compiled); the blocks run one at a time, once the step is traced.
+    self.remat_reason: str | None = None
+    self.units_seen: dict[str, int] = {}
+    self.step = StepFunction(self)
+
+  # ------------------------------------------------------- what it holds
+
+  @property
+  def loss_fn(self) -> Callable[..., Any]:
+    """The loss function given."""
+    return self.loss.fn
+
+  @property
+  def has_aux(self) -> bool:
+    """``loss_fn`` returns ``(loss, aux)``."""
+    return self.loss.has_aux
+
+  @property
+  def with_rng(self) -> bool:
+    """``loss_fn`` takes a PRNG key."""
+    return self.loss.with_rng
+
+  @property
+  def n(self) -> int:
+    """Devices on ``data``: what state is sharded over."""
+    return self.mesh.shape[DATA]
+
+  @property
+  def replica(self) -> int:
+    """Replica groups (1 without a ``replica`` axis)."""
+    return dict(self.mesh.shape).get(REPLICA, 1)
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    """The mesh axes the batch is split over."""
+    return self.batch.axes
+
+  @property
+  def num_devices(self) -> int:
+    """Devices the batch is split over."""
+    return self.batch.num_devices
+
+  @property
+  def train_batch_size(self) -> int | None:
+    """The global batch per step, where the config fixes it."""
+    return self.batch.train_batch_size
+
+  @property
+  def micro_batch_size(self) -> int | None:
+    """Examples per device per micro-batch, where the config fixes it."""
+    return self.batch.micro_batch_size
+
+  @property
+  def grad_accum_steps(self) -> int:
+    """Micro-batches per step."""
+    return self.batch.grad_accum_steps
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """How ``step`` lays out a batch: leading dimension split over the
+    mesh's batch axes."""
+    return self.batch.sharding
+
+  @property
+  def remat(self) -> RematPolicy:
+    """The remat policy the step is traced with (``AUTO`` until chosen)."""
+    return self.config.remat if self.layout is None else self.layout.remat
+
+  def _laid_out(self) -> Layout:
+    if self.layout is None:
+      raise RuntimeError("call engine.init(params) (or abstract_state) "
+                         "first: the layout follows the parameters")
+    return self.layout
+
+  @property
+  def param_plan(self) -> Plan | None:
+    """The plan of the fp32 master (None before ``init``)."""
+    return None if self.layout is None else self.layout.param_plan
+
+  @property
+  def opt_plan(self) -> Plan | None:
+    """The plan of the optimizer state (None before ``init``)."""
+    return None if self.layout is None else self.layout.opt_plan
+
+  @property
+  def state_shardings(self) -> TrainState:
+    """The sharding of every leaf of the state."""
+    return self._laid_out().state_shardings
+
+  @property
+  def param_dtypes(self) -> list[np.dtype]:
+    """The dtype of every parameter leaf given to ``init``, flattened:
+    ``gather_params`` and exported parameters return these."""
+    return list(self._laid_out().param_dtypes)
+
+  @property
+  def units(self) -> tuple[layers.Unit, ...]:
+    """The repeated blocks of the parameter tree."""
+    return self._laid_out().units
+
+  # ------------------------------------------------------------ layout
+
+  def _lay_out(self, params: Any) -> Layout:
+    """The layout for ``params``: built once per tree, shapes and dtypes
+    (a restore after ``init`` reuses the layout and its compiled step)."""
+    if self.layout is None or self.layout.signature != signature(params):
+      self.layout = Layout.build(self.config, self.mesh, params, self.tx,
+                                 placement=self.placement, batch=self.batch)
+      self.units_seen.clear()
+      self.remat_reason = None
+    return self.layout
+
+  def choose_remat(self, state: TrainState, batch: Any) -> None:
+    """With ``remat="auto"``: compiles the step with each candidate policy
+    and keeps the fastest that fits (``remat_reason`` says why)."""
+    layout = self._laid_out()
+    if layout.remat is not RematPolicy.AUTO:
+      return
+    self.layout, self.remat_reason = _auto_remat.choose(
+        layout, lambda candidate: self.step.lower_with(candidate, state,
+                                                       batch))
+
+  # ------------------------------------------------------------------ API
+
+  def init(self, params: Any) -> TrainState:
+    """Copies ``params`` onto the mesh in ZeRO layout and builds the state.
+
+    Args:
+      params: any pytree of floating arrays (a dict, Flax Linen params, a
+        Flax NNX ``nnx.State``). It is copied: the caller's arrays stay valid
+        and unchanged however many (donating) steps follow.
+
+    Returns:
+      The initial ``TrainState``.
+    """
+    params = _as_arrays(params)
+    layout = self._lay_out(params)
+    self.step.reset()  # (a fresh state: nothing carries over)
+    return layout.update.init(layout, params)
+
+  def lower_init(self, params: Any):
+    """The ``Lowered`` of the program ``init`` runs (for its compiled
+    memory), from the parameters or their shapes.
+
+    Raises:
+      ValueError: with ``update_on="host"``, whose init is several programs.
+    """
+    params = _as_arrays(params)
+    layout = self._lay_out(params)
+    make, args = layout.update.initializer(layout, params)
+    return make.lower(*args)
+
+  def abstract_state(self, params: Any) -> TrainState:
+    """The ``TrainState`` that ``init(params)`` would build, as
+    ``jax.ShapeDtypeStruct`` leaves carrying their shardings.
+
+    Args:
+      params: the parameters, or only their shapes and dtypes (e.g.
+        ``jax.eval_shape(model.init, ...)``): nothing is computed or placed.
+
+    Returns:
+      The abstract state: the target to restore a checkpoint into.
+    """
+    return self._lay_out(_as_arrays(params)).abstract_state()
+
+  def complete_state(self, state: TrainState) -> TrainState:
+    """Fills in what a checkpoint does not store: the compute copy (a cast
+    of the master) and the loss scale (the stored one where it is a float16
+    run's and this engine scales the loss; else a fresh one that carries
+    the stored skip count).
+
+    Args:
+      state: a state restored into ``abstract_state``'s layout, without
+        (or with a stale) ``compute_params``.
+
+    Returns:
+      The state ``step`` takes.
+    """
+    return _init.complete(self._laid_out(), state)
+
+  def gather_params(self, state: TrainState) -> Any:
+    """The full parameters, unsharded, in the tree and dtypes given to init.
+
+    Returns replicated arrays (every device holds the whole value).
+    """
+    layout = self._laid_out()
+
+    def gather(p):
+      leaves = [x.astype(dt) for x, dt in zip(jax.tree.leaves(p),
+                                              layout.param_dtypes)]
+      return layout.treedef.unflatten(leaves)
+
+    out = jax.tree.map(lambda _: layout.replicated, state.params)
+    # (From host memory or the host's CPU devices, if offloaded.)
+    params = jax.device_put(state.params, on_device(layout.device_params))
+    return jax.jit(gather, out_shardings=out)(params)
+
+  def shard_batch(self, batch: Any) -> Any:
+    """Places a batch on the mesh, split over ``data`` on the leading dim.
+
+    ``jax.Array`` leaves are taken as global arrays. Host (numpy) leaves are
+    this process's slice of the global batch (in a single-process run: the
+    whole batch).
+    """
+    nproc = jax.process_count()
+
+    def place(x):
+      if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return x  # (shapes: for lowering)
+      x = np.asarray(x)
+      self.batch.check(x.shape, nproc * x.shape[0] if x.ndim else None)
+      return jax.make_array_from_process_local_data(self.batch.sharding, x)
+
+    return jax.tree.map(place, batch)
+
+  def describe(self) -> str:
+    """A table of every parameter: shape, and where it lives per device."""
+    if self.layout is None:
+      raise RuntimeError("call engine.init(params) before engine.describe()")
+    layout = self.layout
+    pl = layout.placement
+    cfg = self.config
+    n = self.n
+    where_ = f"{n} device(s) on '{DATA}'"
+    if self.replica > 1:
+      where_ += f", replicated over {self.replica} '{REPLICA}' groups"
+    lines = [f"ZeRO stage {pl.stage} over {where_}; compute in "
+             f"{pl.copy_dtype.name}, master and optimizer state in float32",
+             f"{'parameter':<40} {'shape':<18} layout"]
+    replicated = []
+    for path, lp in layout.param_plan.rows():
+      if lp.sharded:
+        where = f"sharded dim {lp.dim} -> {lp.local_shape(n)} per device"
+      else:
+        where = f"replicated ({lp.reason})"
+        replicated.append(path)
+      lines.append(f"{path:<40} {str(lp.shape):<18} {where}")
+    n_rep = sum(1 for _, lp in layout.opt_plan.rows() if not lp.sharded)
+    lines.append(f"{len(replicated)} of {len(layout.param_plan.rows())} "
+                 f"parameter leaves replicated: {replicated or 'none'}")
+    lines.append(f"optimizer state: {len(layout.opt_plan.rows())} leaves, "
+                 f"{n_rep} replicated (scalars, small or indivisible)")
+    lines.extend(pl.describe())
+    lines.extend(layout.update.describe())
+    if cfg.remat is RematPolicy.AUTO:
+      lines.append(self.remat_reason or "remat auto: chosen when the step is "
+                   "first compiled (engine.step or engine.step.lower)")
+    lines.extend(layers.describe_units(layout.units, self.units_seen,
+                                       pl.stage, cfg.layer_classes))
+    if cfg.delay_update:
+      lines.append("delay_update: each step reads the parameters from "
+                   "before the previous step's update (DeepSpeed's "
+                   "delayed parameter update), so the host's update "
+                   "overlaps the next step")
+    if pl.loss_scaling:
+      lines.append("float16 loss scaling: " + (
+          f"static {cfg.loss_scale}" if cfg.loss_scale else
+          f"dynamic from 2**{cfg.initial_scale_power}, window "
+          f"{cfg.loss_scale_window}, hysteresis {cfg.hysteresis}, min "
+          f"{cfg.min_loss_scale}"))
+    if self.grad_accum_steps > 1 or cfg.clip_grad_norm is not None:
+      lines.append(f"{self.grad_accum_steps} micro-batch(es) per step; "
+                   f"clip to global norm {cfg.clip_grad_norm}")
+    return "\n".join(lines)
+
+  def replicated_params(self) -> list[str]:
+    """Paths of parameter leaves that are not sharded."""
+    if self.layout is None:
+      raise RuntimeError("call engine.init(params) before "
+                         "engine.replicated_params()")
+    return [p for p, lp in self.layout.param_plan.rows() if not lp.sharded]
+

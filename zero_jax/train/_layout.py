@@ -1,0 +1,295 @@
+"""The train step's layout: everything the step needs, decided once.
+
+``Layout.build(config, mesh, params, tx)`` turns the config's decisions
+(``Placement``), the mesh and the parameters' shapes into the plan of every
+leaf, the shardings of the whole ``TrainState``, the repeated blocks of the
+parameter tree, and the two strategies the step runs: how gradients are
+made and reduced (``grads``) and where the optimizer update runs
+(``update``: on the device, streamed through it, or on the host). The
+layout is frozen; the train step, the first state and the checks of what
+the user passes in are functions of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zero_jax import layers, offload
+from zero_jax._paths import path_str
+from zero_jax.config import RematPolicy, ZeroConfig
+from zero_jax.layout import (DATA, REPLICA, ComputeCopy, Placement, Plan,
+                             UpdateKind, batch_axes, flat, layout_mesh)
+from zero_jax.train import _grads, _init, _loss_scale, _offloaded, _update
+from zero_jax.train._state import TrainState, on_host
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+  """How a global batch is split over the mesh.
+
+  Attributes:
+    num_devices: devices the batch is split over (every batch axis).
+    axes: the mesh axes of the batch's leading dimension.
+    sharding: the batch's ``NamedSharding``.
+    train_batch_size: the global batch per step, if the config fixes it.
+    micro_batch_size: examples per device per micro-batch, if fixed.
+    grad_accum_steps: micro-batches per step.
+  """
+
+  num_devices: int
+  axes: tuple[str, ...]
+  sharding: NamedSharding
+  train_batch_size: int | None
+  micro_batch_size: int | None
+  grad_accum_steps: int
+
+  @classmethod
+  def of(cls, config: ZeroConfig, mesh: Mesh) -> "BatchLayout":
+    """The batch layout of ``config`` on ``mesh``.
+
+    Raises:
+      ValueError: the config's batch sizes contradict each other on this
+        mesh (see ``ZeroConfig.batch_sizes``).
+    """
+    axes = batch_axes(mesh)
+    num_devices = int(np.prod([mesh.shape[a] for a in axes]))
+    train, micro, accum = config.batch_sizes(num_devices)
+    spec = P(axes if len(axes) > 1 else DATA)
+    return cls(num_devices, axes, NamedSharding(layout_mesh(mesh), spec),
+               train, micro, accum)
+
+  def check(self, shape: tuple, global_size: int | None) -> None:
+    """Raises unless a global batch of ``global_size`` examples suits the
+    batch sizes and devices (``shape``: a leaf's shape)."""
+    if not shape:
+      raise ValueError("batch leaves need a leading batch dimension; got a "
+                       "scalar")
+    if (self.train_batch_size is not None
+        and global_size != self.train_batch_size):
+      raise ValueError(
+          f"global batch size {global_size} differs from the config's "
+          f"train_batch_size {self.train_batch_size} (micro_batch_size "
+          f"{self.micro_batch_size} x grad_accum_steps "
+          f"{self.grad_accum_steps} x {self.num_devices} devices); pass "
+          f"batches of {self.train_batch_size} examples")
+    n = self.num_devices * self.grad_accum_steps
+    if global_size % n:
+      what = f"the {self.num_devices} devices of the mesh"
+      if self.grad_accum_steps > 1:
+        what += (f" x {self.grad_accum_steps} micro-batches "
+                 "(grad_accum_steps)")
+      raise ValueError(
+          f"global batch size {global_size} is not divisible by {what}; use "
+          f"a global batch that is a multiple of {n} (e.g. "
+          f"{max(1, global_size // n) * n}).")
+
+
+def check_mesh(mesh: Mesh) -> None:
+  """Raises unless ``mesh`` has a ``data`` axis and no axis the engine does
+  not use (its devices would silently repeat the same work)."""
+  if DATA not in mesh.axis_names:
+    raise ValueError(f"mesh must have a {DATA!r} axis (use "
+                     f"zero_jax.make_mesh()); got axes {mesh.axis_names}")
+  unused = [a for a in mesh.axis_names if a not in (DATA, REPLICA)
+            and mesh.shape[a] > 1]
+  if unused:
+    raise ValueError(
+        f"mesh axis {unused[0]!r} (size {mesh.shape[unused[0]]}) is not one "
+        f"the engine uses ({DATA!r}, {REPLICA!r}): its devices would repeat "
+        "the same work. Build the mesh with zero_jax.make_mesh(replica=...) "
+        "or give the engine a mesh of only those axes.")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+  """Everything the train step needs, decided once from config, mesh,
+  parameter shapes and ``tx``.
+
+  Attributes:
+    config: the ZeRO config.
+    mesh: the mesh (``data``, optionally inside ``replica``).
+    tx: the optax transformation.
+    placement: where each part of the state lives.
+    batch: how a global batch is split.
+    remat: the remat policy the step is traced with (``AUTO`` until
+      ``Engine`` has chosen one).
+    param_plan: the ``Plan`` of the fp32 master parameters.
+    opt_plan: the ``Plan`` of the optimizer state.
+    treedef: the tree of the parameters given to ``Engine.init``.
+    param_dtypes: their dtypes, flattened.
+    units: the repeated blocks of the parameter tree
+      (``zero_jax.layers.find_units``).
+    state_shardings: the ``TrainState`` of every leaf's sharding.
+    state_shapes: the ``TrainState`` of every leaf's shape and dtype.
+    device_params: the master's shardings in device memory (for the
+      update; replicated at stages 0-2 in fp32).
+    device_opt: the optimizer state's shardings in device memory.
+    grads: how gradients are made and reduced (``zero_jax.train._grads``).
+    update: where and how the optimizer update runs
+      (``zero_jax.train._update``).
+  """
+
+  config: ZeroConfig
+  mesh: Mesh
+  tx: optax.GradientTransformation
+  placement: Placement
+  batch: BatchLayout
+  remat: RematPolicy
+  param_plan: Plan
+  opt_plan: Plan
+  treedef: Any
+  param_dtypes: tuple[np.dtype, ...]
+  units: tuple[layers.Unit, ...]
+  state_shardings: TrainState
+  state_shapes: TrainState | None
+  device_params: Any
+  device_opt: Any
+  grads: Any
+  update: Any
+
+  @property
+  def n(self) -> int:
+    """Devices on ``data``: what state is sharded over."""
+    return self.mesh.shape[DATA]
+
+  @property
+  def signature(self) -> tuple:
+    """The tree, shapes and dtypes of the parameters it was built for."""
+    return (self.treedef,
+            tuple(tuple(x.shape) for x in
+                  jax.tree.leaves(self.state_shapes.params)),
+            self.param_dtypes)
+
+  @property
+  def replicated(self) -> NamedSharding:
+    """The sharding of a replicated array."""
+    return self.sharding(P())
+
+  def sharding(self, spec: P) -> NamedSharding:
+    """A ``NamedSharding`` on this mesh (the abstract mesh for compile-only
+    devices, so that host memory kinds survive)."""
+    return NamedSharding(layout_mesh(self.mesh), spec)
+
+  @classmethod
+  def build(cls, config: ZeroConfig, mesh: Mesh, params: Any,
+            tx: optax.GradientTransformation, *,
+            placement: Placement | None = None,
+            batch: BatchLayout | None = None) -> "Layout":
+    """The layout for ``params`` (arrays or shapes; floating leaves only).
+
+    Raises:
+      TypeError: a parameter leaf is not floating point.
+      ValueError: the mesh or the batch sizes do not suit the config, or
+        the streamed offload update cannot split ``tx`` (see
+        ``zero_jax.offload.Streamer``).
+    """
+    check_mesh(mesh)
+    batch = batch or BatchLayout.of(config, mesh)
+    pl = placement or Placement.of(config, batch.grad_accum_steps)
+    check_runs_here(pl)
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"parameter {path_str(path)!r} has dtype {x.dtype}; pass only "
+            "trainable floating-point leaves (for Flax NNX: "
+            "nnx.split(model, nnx.Param)).")
+    master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                          params)
+    param_plan = Plan(master, mesh, pl.stage, config.min_shard_elements)
+    opt_plan = Plan(jax.eval_shape(tx.init, master), mesh, pl.stage,
+                    config.min_shard_elements)
+    replicated = NamedSharding(layout_mesh(mesh), P())
+    replicated_tree = jax.tree.map(lambda _: replicated, master)
+    device_params = (param_plan.shardings if pl.master_sharded else
+                     replicated_tree)
+    params_sh = on_host(device_params) if pl.master_on_host else device_params
+    opt_sh = (on_host(opt_plan.shardings) if pl.opt_on_host else
+              opt_plan.shardings)
+    compute_sh = {ComputeCopy.REPLICATED: replicated_tree,
+                  ComputeCopy.SHARDED: param_plan.shardings,
+                  None: None}[pl.compute_copy]
+    streamer = host = None
+    if pl.update is UpdateKind.HOST:
+      host = _host_update(tx, master, mesh)
+      params_sh, opt_sh = host.master_shardings, host.opt_shardings
+      if pl.compute_memory.on_host:
+        compute_sh = on_host(compute_sh)
+    elif pl.update is UpdateKind.STREAMED:
+      # Offloaded state with the update on the device: streamed slice by
+      # slice, never copied to the device whole.
+      streamer = offload.Streamer(tx, master, flat(param_plan.leaves),
+                                  flat(opt_plan.leaves), mesh.shape[DATA],
+                                  offload.SLICE_BYTES)
+    state_shardings = TrainState(
+        step=replicated, params=params_sh, opt_state=opt_sh, rng=replicated,
+        compute_params=compute_sh,
+        loss_scale=(jax.tree.map(lambda _: replicated,
+                                 jax.eval_shape(lambda: _loss_scale.init(config)))
+                    if pl.counts_skips else None))
+    layout = cls(
+        config=config, mesh=mesh, tx=tx, placement=pl, batch=batch,
+        remat=config.remat, param_plan=param_plan, opt_plan=opt_plan,
+        treedef=jax.tree.structure(params),
+        param_dtypes=tuple(jnp.dtype(x.dtype)
+                           for x in jax.tree.leaves(params)),
+        units=layers.find_units(master), state_shardings=state_shardings,
+        state_shapes=None, device_params=device_params,
+        device_opt=opt_plan.shardings,
+        grads=_grads.strategy(pl, param_plan.leaves, batch.axes,
+                              mesh.shape[DATA],
+                              None if streamer is None else streamer.cuts),
+        update=(_offloaded.Streamed(streamer) if streamer is not None else
+                _offloaded.OnHost(host) if host is not None else
+                _update.OnDevice()))
+    # The state's shapes and dtypes, for checking what the step is given.
+    return dataclasses.replace(layout, state_shapes=jax.eval_shape(
+        functools.partial(_init.make_state, layout), master))
+
+  def abstract_state(self) -> TrainState:
+    """The state as ``jax.ShapeDtypeStruct`` leaves with their shardings."""
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        self.state_shapes, self.state_shardings)
+
+
+def check_runs_here(placement: Placement) -> None:
+  """Raises if this process cannot run the placement's update."""
+  if placement.update is UpdateKind.HOST and jax.process_count() > 1:
+    raise ValueError(
+        "ZeroConfig(update_on='host') updates on this process's CPU devices "
+        "and supports single-process runs; with "
+        f"{jax.process_count()} processes use update_on='device' (the "
+        "offloaded state is then streamed through the device)")
+
+
+def signature(params: Any) -> tuple:
+  """What a layout depends on of the parameters: their tree, shapes and
+  dtypes."""
+  leaves = jax.tree.leaves(params)
+  return (jax.tree.structure(params),
+          tuple(tuple(np.shape(x)) for x in leaves),
+          tuple(jnp.dtype(x.dtype) for x in leaves))
+
+
+def _host_update(tx: optax.GradientTransformation, master: Any,
+                 mesh: Mesh) -> offload.HostUpdate:
+  """ZeRO-Offload's split: master and optimizer state on the host's CPU
+  devices, updated there by a program of their own."""
+  host = offload.HostUpdate(tx, master, offload.host_devices(mesh))
+  if host.k == 1 and (os.cpu_count() or 1) > 1:
+    warnings.warn(
+        "update_on='host' has 1 CPU device, so the update may use one "
+        f"core of {os.cpu_count()}: call jax.config.update("
+        "'jax_num_cpu_devices', os.cpu_count()) before JAX starts (before "
+        "anything creates an array or lists devices).", stacklevel=4)
+  return host

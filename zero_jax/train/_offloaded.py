@@ -1,0 +1,286 @@
+"""The update strategies of offloaded state (``zero_jax.train._update``).
+
+``Streamed``: master and optimizer state in pinned host memory, streamed
+through the device a slice at a time by an ``offload.Streamer`` (the
+first state too). ``OnHost``: ZeRO-Offload's split; master and optimizer
+state on the host's CPU devices, updated there by an ``offload.HostUpdate``
+program of their own; the device's step only computes gradients and the
+new compute copy comes back after the update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zero_jax import materialize, offload
+from zero_jax.layout import ComputeCopy, UpdateKind, map_leaves
+from zero_jax.train import _init
+from zero_jax.train._state import TrainState, device_part, on_host
+from zero_jax.train._update import (grad_shardings, injected_learning_rate,
+                                    new_state, prepare)
+
+
+def _device_zeros(shape: tuple, dtype: Any, sharding: Any) -> jax.Array:
+  return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Streamed:
+  """Offloaded state updated on the device, slice by slice.
+
+  Attributes:
+    streamer: how the state is cut into slices.
+  """
+
+  streamer: offload.Streamer
+  kind = UpdateKind.STREAMED
+
+  def jit(self, layout, fn):
+    r = layout.replicated
+    return jax.jit(fn, donate_argnums=0,
+                   out_shardings=(layout.state_shardings, r, r))
+
+  def finish(self, layout, state, grads, metrics):
+    pl = layout.placement
+    # Gradients in host memory are read a slice at a time.
+    prepared = prepare(layout, grads, state.step, state.loss_scale,
+                       self.streamer.grad_stats if pl.grads_on_host
+                       else None)
+    metrics.update(prepared.metrics)
+    cd = pl.compute_dtype if pl.compute_copy else None
+    shards = grad_shardings(layout)
+    master = state.params
+    if not pl.master_on_host:
+      # (Stages 1-2 with fp32 compute: slicing the replicated master to its
+      # shard is local, no communication.)
+      master = jax.device_put(master, shards)
+    compute = None
+    if pl.compute_copy is ComputeCopy.SHARDED:
+      compute = jax.tree.leaves(state.compute_params)
+    elif cd is not None:
+      compute = [_device_zeros(x.shape, cd, sh) for x, sh in
+                 zip(jax.tree.leaves(master), jax.tree.leaves(shards))]
+    master, opt_state, compute = self.streamer.update(
+        prepared.grads, state.opt_state, master, finite=prepared.finite,
+        master_on_host=pl.master_on_host, opt_on_host=pl.opt_on_host,
+        compute_dtype=cd, compute=compute, grad_fn=prepared.grad_fn)
+    device_master = (master if cd is None and not pl.master_on_host
+                     else None)
+    if compute is not None:
+      device_master = jax.tree.unflatten(jax.tree.structure(master), compute)
+    return new_state(layout, state, master, opt_state, device_master,
+                     prepared, metrics)
+
+  def device_input(self, state):
+    return state
+
+  def after(self, layout, state, outputs, carry):
+    del layout, state
+    return (*outputs, carry)
+
+  def initializer(self, layout, params):
+    """The streamed init, and its arguments: the placed parameters, then
+    host buffers for the master and optimizer state (None where the
+    buffer is made on the device or not needed)."""
+    pl = layout.placement
+    sh = layout.state_shardings
+    host = lambda s: s.memory_kind == "pinned_host"
+    where = (on_host(layout.param_plan.shardings) if pl.master_on_host
+             else layout.param_plan.shardings)
+    placed = jax.tree.map(_init.shape_of, params, where)
+    master = [_init.shape_of(x, s, jnp.float32)
+              if host(s) and x.dtype != jnp.float32 else None
+              for x, s in zip(jax.tree.leaves(params),
+                              jax.tree.leaves(where))]
+    opt = jax.eval_shape(layout.tx.init, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params))
+    opt = [_init.shape_of(x, s) if host(s) else None for x, s in
+           zip(jax.tree.leaves(opt), jax.tree.leaves(sh.opt_state))]
+    # (The placed copy is ours; it becomes the master where the layouts
+    # agree: stage 3, or stages 1-2 with a compute copy.)
+    donate = (0, 1, 2) if pl.master_sharded else (1, 2)
+    return jax.jit(functools.partial(self._make_state, layout),
+                   out_shardings=sh, donate_argnums=donate), (placed, master,
+                                                              opt)
+
+  def _make_state(self, layout, params: Any, master: list,
+                  opt: list) -> TrainState:
+    """The initial state, built slice by slice."""
+    pl = layout.placement
+    cd = pl.compute_dtype if pl.compute_copy else None
+    flat = jax.tree.leaves(params)
+    shards = jax.tree.leaves(layout.param_plan.shardings)
+    master = [p if p.dtype == jnp.float32 else
+              b if b is not None else _device_zeros(p.shape, jnp.float32, s)
+              for p, b, s in zip(flat, master, shards)]
+    opt_shapes = jax.tree.leaves(jax.eval_shape(
+        layout.tx.init,
+        jax.tree.unflatten(jax.tree.structure(params), master)))
+    opt = [b if b is not None else _device_zeros(x.shape, x.dtype, s)
+           for b, x, s in zip(opt, opt_shapes,
+                              jax.tree.leaves(layout.device_opt))]
+    compute = (None if cd is None else
+               [_device_zeros(p.shape, cd, s) for p, s in zip(flat, shards)])
+    master, opt_state, compute = self.streamer.init(
+        flat, master, opt, master_on_host=pl.master_on_host,
+        opt_on_host=pl.opt_on_host, compute_dtype=cd, compute=compute)
+    compute_params = None
+    if compute is not None:
+      compute_params = jax.tree.unflatten(jax.tree.structure(master), compute)
+      if pl.compute_copy is ComputeCopy.REPLICATED:
+        compute_params = materialize.gather_replicated(layout.param_plan,
+                                                       compute_params)
+    elif pl.master_regathered:
+      # fp32: the master replicated
+      master = materialize.gather_replicated(layout.param_plan, master)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=master,
+                      opt_state=opt_state,
+                      rng=jax.random.PRNGKey(layout.config.seed),
+                      compute_params=compute_params,
+                      loss_scale=_init.first_loss_scale(layout))
+
+  def init(self, layout, params):
+    return _init.placed(layout, params, *self.initializer(layout, params))
+
+  def compute_copy(self, layout, master):
+    return _init.cast_copy(layout, master)
+
+  def describe(self):
+    return self.streamer.describe()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OnHost:
+  """ZeRO-Offload's split: the update as a program of its own on the
+  host's CPU devices.
+
+  Attributes:
+    host: the host's program and where its state lives.
+  """
+
+  host: offload.HostUpdate
+  kind = UpdateKind.HOST
+  # The host's update is jitted per prepare function: one per layout, made
+  # once (id -> (layout, its prepare)).
+  _prepares: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def jit(self, layout, fn):
+    # The device's program: gradients out for the host's update (in host
+    # memory where backward sends them there). Nothing is donated: no
+    # output takes an input's place; the step deletes the old compute copy
+    # once this is dispatched.
+    pl = layout.placement
+    r = layout.replicated
+    grads = grad_shardings(layout)
+    if pl.grads_on_host:
+      grads = map_leaves(
+          lambda lp, s: s.with_memory_kind("pinned_host") if lp.sharded
+          else s, layout.param_plan.leaves, grads)
+    return jax.jit(fn, out_shardings=(dataclasses.replace(
+        device_part(layout.state_shardings), compute_params=None,
+        loss_scale=None), r, grads))
+
+  def finish(self, layout, state, grads, metrics):
+    # The rest is the host's program: the gradients leave as the reduction
+    # made them.
+    del layout
+    return (TrainState(step=state.step + 1, params=None, opt_state=None,
+                       rng=state.rng), metrics, grads)
+
+  def device_input(self, state):
+    return device_part(state)
+
+  def after(self, layout, state, outputs, carry):
+    """The host's update (dispatched asynchronously, like any jitted call),
+    then the new compute copy sent to the device. ``carry``: with
+    ``delay_update``, (the master the last step returned, its compute copy
+    still on the host's CPU devices)."""
+    new, metrics, grads = outputs
+    sh = layout.state_shardings
+    master, opt_state, copy, (loss_scale, more, at_min) = self.host.update(
+        grads, state.params, state.opt_state,
+        {"step": state.step, "loss_scale": state.loss_scale},
+        prepare=self._prepare(layout),
+        compute_dtype=layout.placement.copy_dtype)
+    metrics.update(more)
+    lr = injected_learning_rate(opt_state)
+    if lr is not None:
+      metrics["learning_rate"] = lr  # (on the host's CPU devices)
+    if loss_scale is not None:
+      loss_scale = jax.device_put(loss_scale, sh.loss_scale)
+    to_device = lambda c: jax.device_put(c, sh.compute_params)
+    if not layout.config.delay_update:
+      compute = to_device(copy)
+    else:
+      # The next step reads the copy this step's update started from (made
+      # by the last step's update, sent up now), not the one being made:
+      # the device need not wait for the host, whose update of this step
+      # runs while the device computes the next. (Only for the state the
+      # last step returned; after init or a restore the state's own copy.)
+      pending, carry = carry, (master, copy)
+      compute = (to_device(pending[1])
+                 if pending and pending[0] is state.params
+                 else state.compute_params)
+    if compute is not state.compute_params:
+      # The state is donated: its compute copy goes before the new one
+      # comes, so the device holds no more copies than it must.
+      for x in jax.tree.leaves(state.compute_params):
+        x.delete()
+    return dataclasses.replace(
+        new, params=master, opt_state=opt_state, loss_scale=loss_scale,
+        compute_params=compute), metrics, at_min, carry
+
+  def _prepare(self, layout):
+    found = self._prepares.get(id(layout))
+    if found is None or found[0] is not layout:
+      found = self._prepares[id(layout)] = (
+          layout, functools.partial(_host_prepare, layout))
+    return found[1]
+
+  def initializer(self, layout, params):
+    raise ValueError(
+        "with update_on='host' the first state is built by several "
+        "programs on the host's CPU devices and one copy to the device: "
+        "there is no one init program to lower")
+
+  def init(self, layout, params):
+    """Master and optimizer state built on the host's CPU devices, the
+    compute copy sent to the device."""
+    host = self.host
+    master = jax.jit(lambda p: jax.tree.map(
+        lambda x: x.astype(jnp.float32), p),
+                     out_shardings=host.master_shardings)(host.put(params))
+    rest = jax.jit(lambda: TrainState(
+        step=jnp.zeros((), jnp.int32), params=None, opt_state=None,
+        rng=jax.random.PRNGKey(layout.config.seed),
+        loss_scale=_init.first_loss_scale(layout)),
+                   out_shardings=dataclasses.replace(
+                       device_part(layout.state_shardings),
+                       compute_params=None))()
+    return dataclasses.replace(rest, params=master,
+                               opt_state=host.init(master),
+                               compute_params=self.compute_copy(layout,
+                                                                master))
+
+  def compute_copy(self, layout, master):
+    """The compute copy, cast from the host's master, on the device."""
+    copy = jax.jit(lambda m: jax.tree.map(
+        lambda x: x.astype(layout.placement.copy_dtype), m),
+                   out_shardings=self.host.master_shardings)(master)
+    return jax.device_put(copy, layout.state_shardings.compute_params)
+
+  def describe(self):
+    return [self.host.describe()]
+
+
+def _host_prepare(layout, grads: Any, extra: dict[str, Any]):
+  """``prepare`` inside the host's update (``HostUpdate.update``'s
+  ``prepare``): ``(grads, finite, (loss scale, metrics, overflow at
+  min))``."""
+  p = prepare(layout, grads, extra["step"], extra["loss_scale"])
+  return p.grads, p.finite, (p.loss_scale, p.metrics, p.overflow_at_min)
