@@ -6,8 +6,8 @@ how much the compiled step's temporaries grow: the accumulator. Stages 0-1
 accumulate each device's full gradient, stages 2-3 only its reduce-scattered
 shard::
 
-  python benchmarks/accum_memory.py
-  python benchmarks/accum_memory.py --d-model 256 --accum 8
+  python experiments/accum_memory.py
+  python experiments/accum_memory.py --d-model 256 --accum 8
 """
 
 import argparse

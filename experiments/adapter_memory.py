@@ -5,8 +5,8 @@ stage, with its layers scanned by ``nnx.scan`` (the engine can only gather
 or scatter the whole model) and by ``zj.scan_nnx`` (one layer at a time),
 and prints per-device temp and peak bytes of the compiled step::
 
-  python benchmarks/adapter_memory.py
-  python benchmarks/adapter_memory.py --d-model 256 --layers 16
+  python experiments/adapter_memory.py
+  python experiments/adapter_memory.py --d-model 256 --layers 16
 """
 
 import argparse

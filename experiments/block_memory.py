@@ -2,12 +2,12 @@
 
 Compiles (never runs) the train step of a GPT written the way Flax's examples
 write it, NNX blocks in a list and Linen blocks made in a loop, for 8 H100s
-(``zero_jax.aot``, no GPU needed), bf16 compute, fp32 AdamW: stages 1-3,
+(``zero_jax.analysis``, no GPU needed), bf16 compute, fp32 AdamW: stages 1-3,
 stage 3 with the blocks run whole (``layer_classes=()``, what such a model
-got before ``zero_jax.blocks``), and the same model scanned (``scan_nnx``,
+got before blocks were run one at a time), and the same model scanned (``scan_nnx``,
 ``scan_linen``). Prints a markdown table of the compiled temporaries::
 
-  PYTHONPATH=. python benchmarks/block_memory.py [--out PATH.md]
+  PYTHONPATH=. python experiments/block_memory.py [--out PATH.md]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import zero_jax as zj
 from zero_jax import analysis
 from zero_jax.models import loop_gpt
 
-from _report import emit  # benchmarks/_report.py, beside this script
+from _report import emit  # experiments/_report.py, beside this script
 
 VOCAB, D, HEADS, LAYERS, BATCH, SEQ = 512, 256, 4, 8, 32, 64
 
@@ -56,7 +56,7 @@ def main() -> None:
                 f" | {s3:.2f} ({s3 / s1:.2f}x) | {scan:.2f} |")
     print(rows[-1], flush=True)
   text = (f"# Blocks in a Python loop: compiled step temp per device (MiB)\n\n"
-          f"`python benchmarks/block_memory.py`: GPT d_model {D}, {LAYERS} "
+          f"`python experiments/block_memory.py`: GPT d_model {D}, {LAYERS} "
           f"blocks, {HEADS} heads, vocabulary {VOCAB}, batch {BATCH} x "
           f"{SEQ}, bf16 compute, fp32 AdamW, compiled for 8 H100s "
           f"(jax {jax.__version__}).\n\n" + "\n".join(rows) + "\n")

@@ -6,7 +6,7 @@ step's memory and collectives, so this compiles a GPT step at every stage
 with and without those flags (one process each: XLA reads its flags once)
 and prints both, with whether they are identical::
 
-  PYTHONPATH=. python benchmarks/compile_flags.py
+  PYTHONPATH=. python experiments/compile_flags.py
 """
 
 import json

@@ -27,10 +27,10 @@ peak memory counter starts from zero). JAX's runs may use 95% of the device
 written after every run to ``gpu_bench.json`` and ``gpu_bench.md`` in
 ``--out-dir``; runs that would start after ``--budget`` seconds are skipped::
 
-  PYTHONPATH=. python benchmarks/gpu_bench.py                  # speed
-  PYTHONPATH=. python benchmarks/gpu_bench.py --plan all       # everything
-  PYTHONPATH=. python benchmarks/gpu_bench.py --dry-run        # list the runs
-  python benchmarks/gpu_bench.py --tiny --out-dir /tmp/bench   # CPU check
+  PYTHONPATH=. python experiments/gpu_bench.py                  # speed
+  PYTHONPATH=. python experiments/gpu_bench.py --plan all       # everything
+  PYTHONPATH=. python experiments/gpu_bench.py --dry-run        # list the runs
+  python experiments/gpu_bench.py --tiny --out-dir bench        # CPU check
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ def write_results(results: list[dict], out_dir: str) -> None:
   versions = ", ".join(dict.fromkeys(
       f"{k} {r[k]}" for r in ok for k in ("jax", "torch") if r.get(k)))
   lines = [f"# zero_jax GPU benchmark: {device}", "",
-           f"`PYTHONPATH=. python benchmarks/gpu_bench.py` ({versions}); GPT "
+           f"`PYTHONPATH=. python experiments/gpu_bench.py` ({versions}); GPT "
            "(vocabulary 50304; 256 with --tiny), bf16 compute, fp32 master "
            "and AdamW state, one device. JAX: attention, remat and loss chunk as in the "
            "columns (attention auto: cuDNN's flash attention on an NVIDIA "

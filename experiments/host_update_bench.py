@@ -5,8 +5,8 @@ and updates them on the CPU, so the host's update rate bounds the step.
 This measures the rate of one AdamW update (parameters per second, and per
 core) over ``--params`` fp32 parameters:
 
-- XLA:CPU: zero_jax's host update (``zero_jax.host_update``, the program
-  ``update_on="host"`` runs: ``optax.adamw`` and the cast to the bf16
+- XLA:CPU: zero_jax's host update (``zero_jax.offload.HostUpdate``, the
+  program ``update_on="host"`` runs: ``optax.adamw`` and the cast to the bf16
   compute copy), the state split over 1 CPU device and over one CPU device
   per core (each configuration in its own process: the device count is
   fixed when JAX starts);
@@ -15,8 +15,8 @@ core) over ``--params`` fp32 parameters:
 
 ::
 
-  python benchmarks/host_update_bench.py
-  python benchmarks/host_update_bench.py --params 268435456 --out /tmp/h.md
+  python experiments/host_update_bench.py
+  python experiments/host_update_bench.py --params 268435456 --out h.md
 """
 
 import argparse
@@ -116,7 +116,7 @@ def main(argv=None):
           f"{rate / 1e9:.3f} G params/s", flush=True)
   torch_rate = rows[-1][1]
   lines = [f"AdamW update of {args.params:,} fp32 parameters on a "
-           f"{cores}-core host (`python benchmarks/host_update_bench.py`)",
+           f"{cores}-core host (`python experiments/host_update_bench.py`)",
            "", "| update | G params/s | per core | / torch |",
            "|---|---|---|---|"]
   for name, rate, used in rows:

@@ -21,20 +21,21 @@ FSDP) all-gather 2Ψ + reduce-scatter Ψ = 3Ψ.
 
 On a machine without an accelerator, 8 CPU devices are simulated::
 
-  PYTHONPATH=. python benchmarks/memory_sweep.py
-  PYTHONPATH=. python benchmarks/memory_sweep.py --d-model 128 --devices 2,8 \\
-      --out /tmp/sweep.md --plot /tmp/sweep.png
+  PYTHONPATH=. python experiments/memory_sweep.py
+  PYTHONPATH=. python experiments/memory_sweep.py --d-model 128 --devices 2,8 \\
+      --out sweep.md --plot sweep.png
 
-``--compile h100`` compiles every step for N H100s instead (``zero_jax.aot``,
-the ``gpu-compile`` extra; no GPU needed): what a GPU user runs, with 16-bit
-collectives kept, real reduce-scatters from GSPMD and the GPU scheduler::
+``--compile h100`` compiles every step for N H100s instead
+(``zero_jax.analysis``, the ``gpu-compile`` extra; no GPU needed): what a
+GPU user runs, with 16-bit collectives kept, real reduce-scatters from
+GSPMD and the GPU scheduler::
 
-  PYTHONPATH=. python benchmarks/memory_sweep.py --compile h100 --devices 8
+  PYTHONPATH=. python experiments/memory_sweep.py --compile h100 --devices 8
 
 ``--plot-from`` redraws the plot of a recorded table without compiling::
 
-  PYTHONPATH=. python benchmarks/memory_sweep.py \\
-      --plot-from benchmarks/results/memory_sweep.md
+  PYTHONPATH=. python experiments/memory_sweep.py \\
+      --plot-from experiments/results/memory_sweep.md
 """
 
 import argparse
@@ -129,8 +130,8 @@ class Row:
 
 def comm_in_psi(hlo_text: str, psi: int, n: int) -> dict[str, float]:
   """Per-step collective volumes in Ψ, each counted by its full operand
-  (``zero_jax.memory.comm_in_psi``: reduce-scatters scaled by N to the full
-  gradient they reduce), grouped as the table's columns; "other" is
+  (``zero_jax.analysis.comm_in_psi``: reduce-scatters scaled by N to the
+  full gradient they reduce), grouped as the table's columns; "other" is
   all-to-all plus collective-permute."""
   c = analysis.comm_in_psi(analysis.summarize(hlo_text), psi, n)
   return {"ag": c.get("all-gather", 0.0), "rs": c.get("reduce-scatter", 0.0),
@@ -182,9 +183,9 @@ def compile_peer(loss_fn, tx, params, batch, mesh):
   """One plain jit with sharded in/out; GSPMD inserts every collective.
 
   Params and every optimizer-state leaf are split over ``data`` on their
-  largest divisible dimension (ZeRO-3's rule and threshold, via ``zero_jax.plan.Plan``),
-  the batch on its leading dimension. Nothing is materialised: the step is
-  lowered from shapes and shardings.
+  largest divisible dimension (ZeRO-3's rule and threshold, via
+  ``zero_jax.layout.Plan``), the batch on its leading dimension. Nothing is
+  materialised: the step is lowered from shapes and shardings.
 
   Returns:
     The compiled step's memory and HLO text, and its (params, opt_state)
@@ -218,7 +219,7 @@ def compile_peer(loss_fn, tx, params, batch, mesh):
 
 def compile_zero(loss_fn, tx, params, batch, mesh, stage: int):
   """The engine's compiled step (memory, HLO text) and its train state's
-  bytes per device, from shapes (``zero_jax.aot.compile_step``)."""
+  bytes per device, from shapes (``zero_jax.analysis.compile_step``)."""
   engine = zj.Engine(loss_fn, tx, zj.ZeroConfig(stage=stage), mesh)
   c = analysis.compile_step(engine, params, batch)
   return c.memory, c.hlo, per_device_bytes(engine.abstract_state(params))
@@ -541,7 +542,7 @@ def main() -> None:
   dev = (analysis.gpu_devices(args.compile, 1) if args.compile else
          jax.devices())[0]
   where = (f"{', '.join(map(str, ns))} {dev.device_kind} GPU(s), compiled "
-           "without the GPU (zero_jax.aot)" if args.compile else
+           "without the GPU (zero_jax.analysis)" if args.compile else
            f"{len(jax.devices())} simulated CPU devices of one host"
            if dev.platform == "cpu" else
            f"{len(jax.devices())} x {dev.device_kind}")
@@ -600,15 +601,15 @@ def main() -> None:
           f"grad_bytes=4, k=8)` (stage 3's for the peers); temp and peak "
           f"from `compiled.memory_analysis()` (peak = argument + output + "
           f"temp - alias).\n"
-          f"- Collectives per step from `zero_jax.hlo.summarize` (loop trip "
-          f"counts applied), in Ψ elements: AG = all-gather results, RS = "
-          f"reduce-scatter inputs (N x results), AR = all-reduce, other = "
+          f"- Collectives per step from `zero_jax.analysis.summarize` (loop "
+          f"trip counts applied), in Ψ elements: AG = all-gather results, "
+          f"RS = reduce-scatter inputs (N x results), AR = all-reduce, other = "
           f"all-to-all + collective-permute; traffic = AG + RS + 2 AR + "
           f"other, as the paper counts an all-reduce.\n"
           f"- FSDP and GSPMD: one `jax.jit` (value_and_grad + adamw, "
           f"donated), params and optimizer state sharded like ZeRO-3 "
-          f"(`zero_jax.plan.Plan`), collectives left to GSPMD; FSDP also pins "
-          f"activations to batch sharding at each block boundary.\n\n"
+          f"(`zero_jax.layout.Plan`), collectives left to GSPMD; FSDP also "
+          f"pins activations to batch sharding at each block boundary.\n\n"
           f"{markdown_table(rows)}\n")
       if note_lines:
         f.write("\n## Notes\n\nThe explanations were checked against the "

@@ -1,5 +1,5 @@
 """How large a GPT fits on one GPU with each offload option: a capacity
-ladder of steps compiled for the GPU (``zero_jax.aot``; no GPU needed).
+ladder of steps compiled for the GPU (``zero_jax.analysis``; no GPU needed).
 
 For each GPT of the ladder (vocabulary 50304, sequence 1024, bf16 compute,
 fp32 AdamW, stage 3, remat full, ``--batch`` sequences) the train step and
@@ -10,9 +10,9 @@ moments and, with offload, the gradients); a model fits the GPU when both
 peaks are under ``--limit`` GiB, and the host when its pinned memory is
 under ``--host-limit``::
 
-  PYTHONPATH=. python benchmarks/offload_capacity.py
-  PYTHONPATH=. python benchmarks/offload_capacity.py --target h200 \\
-      --limit 135 --out /tmp/capacity.md
+  PYTHONPATH=. python experiments/offload_capacity.py
+  PYTHONPATH=. python experiments/offload_capacity.py --target h200 \\
+      --limit 135 --out capacity.md
 """
 
 import argparse

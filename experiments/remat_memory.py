@@ -1,7 +1,7 @@
 """What each remat policy costs on one H100, and what ``remat="auto"`` picks.
 
 Compiles (never runs) the reference GPT's stage-3 train step for one H100
-(``zero_jax.aot``, no GPU needed): vocabulary 50304, sequence 1024, batch
+(``zero_jax.analysis``, no GPU needed): vocabulary 50304, sequence 1024, batch
 16, bf16 compute, fp32 AdamW, cuDNN attention (the GPT's default on a GPU),
 the loss whole and chunked (``loss_chunk=1024``), at every policy that
 ``remat="auto"`` may choose. Prints a markdown table of the compiled peak
@@ -9,7 +9,7 @@ and temporaries per device and the cuDNN attention forwards per layer (2:
 backward runs the forward again), then the policy auto picks for an H100's
 memory and for JAX's default 75% of it::
 
-  PYTHONPATH=. python benchmarks/remat_memory.py [--out PATH.md]
+  PYTHONPATH=. python experiments/remat_memory.py [--out PATH.md]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import zero_jax as zj
 from zero_jax import analysis
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
 
-from _report import emit  # benchmarks/_report.py, beside this script
+from _report import emit  # experiments/_report.py, beside this script
 
 # name: (d_model, n_layers, n_heads)
 SIZES = {"125m": (768, 12, 12), "1.3b": (2048, 24, 16)}
@@ -82,7 +82,7 @@ def main() -> None:
       picks.append(f"- {size}, {label}: {engine.remat_reason}")
       print(picks[-1], flush=True)
   text = ("# Remat policies on one H100: compiled step memory\n\n"
-          "`PYTHONPATH=. python benchmarks/remat_memory.py`: GPT, "
+          "`PYTHONPATH=. python experiments/remat_memory.py`: GPT, "
           f"vocabulary {VOCAB}, batch {BATCH} x {SEQ}, bf16 compute, fp32 "
           "AdamW, stage 3, cuDNN attention, compiled for one H100 "
           f"(jax {jax.__version__}). Chunked: `loss_chunk=1024`.\n\n"

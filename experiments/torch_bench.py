@@ -13,10 +13,10 @@ One run per process; the first step (compilation) is not timed, the step
 time is the median of the others. The result is one stdout line
 ``RESULT {json}`` with ``gpu_bench.py``'s keys, so both go into one table::
 
-  PYTHONPATH=. python benchmarks/torch_bench.py --size 1.3b --checkpoint none
-  PYTHONPATH=. python benchmarks/torch_bench.py --size 1.3b --checkpoint block
-  PYTHONPATH=. python benchmarks/torch_bench.py --size 1.3b --fsdp
-  PYTHONPATH=. python benchmarks/torch_bench.py --tiny --size tiny --batch 2 \\
+  PYTHONPATH=. python experiments/torch_bench.py --size 1.3b --checkpoint none
+  PYTHONPATH=. python experiments/torch_bench.py --size 1.3b --checkpoint block
+  PYTHONPATH=. python experiments/torch_bench.py --size 1.3b --fsdp
+  PYTHONPATH=. python experiments/torch_bench.py --tiny --size tiny --batch 2 \\
       --seq-len 32 --steps 2 --checkpoint block                 # CPU check
 
 Without torch it reports ``status: "skipped (torch not installed)"``.

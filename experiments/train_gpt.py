@@ -6,21 +6,21 @@ After training it reports the validation loss and a greedy sample, then
 compiles the same train step at ZeRO stages 0-3 and compares each stage's
 per-device train-state bytes with the paper's formula. On one device, where
 every stage holds the whole state, it also prints that table for the step
-compiled for 8 H100s (compile-only devices from ``zero_jax.aot``: no GPU
-needed), where the stages shard it.
+compiled for 8 H100s (compile-only devices from ``zero_jax.analysis``: no
+GPU needed), where the stages shard it.
 
 On a machine without an accelerator, 8 CPU devices are simulated::
 
-  PYTHONPATH=. python examples/train_gpt.py
-  PYTHONPATH=. python examples/train_gpt.py --stage 1 --devices 4 --steps 50
-  PYTHONPATH=. python examples/train_gpt.py \
-      --deepspeed-config examples/ds_config.json --log-jsonl run.jsonl
+  PYTHONPATH=. python experiments/train_gpt.py
+  PYTHONPATH=. python experiments/train_gpt.py --stage 1 --devices 4 --steps 50
+  PYTHONPATH=. python experiments/train_gpt.py \
+      --deepspeed-config experiments/ds_config.json --log-jsonl run.jsonl
 
 With ``--checkpoint-dir`` it saves every ``--save-every`` steps (and on
 SIGTERM, then exits), and resumes from the latest checkpoint when started
 again, at any stage or device count. Several processes (one per host, or
 ``python -m zero_jax.launch --nproc 2 --devices-per-proc 4
-examples/train_gpt.py`` on one machine) each feed their slice of the
+experiments/train_gpt.py`` on one machine) each feed their slice of the
 same global batch.
 
 A DeepSpeed JSON config (``--deepspeed-config``) sets the ZeRO stage, the
@@ -243,8 +243,8 @@ MEMORY_NOTE = (
 def memory_table(loss_fn, tx, params, batch, mesh, config, title,
                  plot_path=None) -> None:
   """Compiles the step at every stage on ``mesh`` from the shapes of
-  ``params`` and ``batch`` (``zero_jax.aot.compile_step``: any mesh, real or
-  compile-only devices) and prints per-device memory."""
+  ``params`` and ``batch`` (``zero_jax.analysis.compile_step``: any mesh,
+  real or compile-only devices) and prints per-device memory."""
   n = mesh.shape[DATA]
   psi = param_count(params)
   shapes = jax.eval_shape(lambda p: p, params)  # nothing is placed
@@ -487,7 +487,7 @@ def main() -> None:
       else:
         memory_table(loss_fn, tx, params, batch, h100, table_config,
                      "train step compiled for 8 x H100 (compile-only: "
-                     "zero_jax.aot)")
+                     "zero_jax.analysis)")
     say(MEMORY_NOTE)
   say(f"\ntotal {time.perf_counter() - t_start:.1f}s")
 

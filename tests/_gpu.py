@@ -1,4 +1,4 @@
-"""Tests of programs compiled for NVIDIA GPUs (``zero_jax.aot``).
+"""Tests of programs compiled for NVIDIA GPUs (``zero_jax.analysis``).
 
 They need JAX's CUDA plugin (the test extra installs it on Linux), never a
 GPU. Without the plugin they are skipped for a missing backend, never for a
@@ -12,6 +12,7 @@ import os
 import pytest
 
 from zero_jax import analysis
+
 AVAILABLE = importlib.util.find_spec("jax_cuda12_plugin") is not None
 if not AVAILABLE and os.environ.get("ZERO_JAX_REQUIRE_GPU_COMPILE"):
   raise ImportError("JAX's CUDA plugin is missing: " + analysis.INSTALL_HINT)

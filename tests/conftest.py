@@ -4,7 +4,7 @@ The models are tiny, so compiling dominates the suite: XLA's LLVM backend
 optimizations are turned down (8.5 instead of 11.4 minutes on 2 cores).
 They act after buffer assignment: the compiled GPT step's argument, output,
 temp and alias bytes and its collectives are identical with and without
-them, at every stage (``PYTHONPATH=. python benchmarks/compile_flags.py``).
+them, at every stage (``PYTHONPATH=. python experiments/compile_flags.py``).
 """
 
 import os

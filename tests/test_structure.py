@@ -1,12 +1,15 @@
-"""Cheap checks on the code's shape: module sizes, import cycles, layering.
+"""Checks on the code's shape: the top level, subpackages by role, module
+names and sizes, imports and their layering, private attributes, repeated
+code.
 
 They read source files only (nothing is imported or run), so they take
-milliseconds.
+milliseconds. What importing the package does is tests/test_import.py's.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import pathlib
 import re
 
@@ -14,9 +17,25 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _PACKAGE = _ROOT / "zero_jax"
 _MAX_LINES = 500
 _MAX_ENGINE_LINES = 400
-# Directories of scripts that may use the tests' helpers the other way
-# round only: tests must not import them, nor they the tests.
-_SCRIPT_DIRS = ("experiments", "benchmarks", "examples")
+# Scripts that may use the tests' helpers the other way round only: tests
+# must not import them, nor they the tests.
+_SCRIPT_DIRS = ("experiments",)
+# The subpackages in data-flow order: a module imports (at import time)
+# only from its own subpackage, from earlier ones, and from the top-level
+# private helpers. (Later layers may be imported inside a function, where a
+# command line needs them: analysis compiles the reference GPT.)
+_LAYERS = ("config", "layout", "materialize", "layers", "offload", "train",
+           "checkpoint", "distributed", "analysis", "metrics", "models")
+# The top level's private helpers, shared by every subpackage.
+_HELPERS = ("_checks", "_compat", "_devices", "_heartbeat", "_paths")
+# Private attributes of other objects that the package may read, and where:
+# Python's own (os._exit is the documented exit without cleanup), and the
+# internals of JAX and orbax, each confined to one module that a test ties
+# to the installed versions.
+_PRIVATE_READS = {
+    "_exit": None, "_getframe": None,  # (os, sys: anywhere)
+}
+_PRIVATE_MODULES = ("zero_jax/_compat.py", "zero_jax/checkpoint/_orbax.py")
 
 
 def _lines(path: pathlib.Path) -> int:
@@ -34,6 +53,65 @@ def _modules() -> dict[str, pathlib.Path]:
   return out
 
 
+def _tree(path: pathlib.Path) -> ast.Module:
+  return ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def _rel(path: pathlib.Path) -> str:
+  return path.relative_to(_ROOT).as_posix()
+
+
+# ------------------------------------------------------------- the top level
+
+
+def test_the_top_level_is_what_the_design_card_names():
+  top = {p.name for p in _ROOT.iterdir() if not p.name.startswith(".")}
+  assert {"zero_jax", "experiments", "tests", "pyproject.toml",
+          "README.md"} <= top
+  assert not top & {"examples", "benchmarks"}, (
+      "scripts live in experiments/ (the demo, its DeepSpeed config, the "
+      "benchmarks and experiments/results/)")
+  assert (_ROOT / "experiments" / "train_gpt.py").is_file()
+  assert (_ROOT / "experiments" / "results").is_dir()
+
+
+def test_subpackages_by_role_each_with_a_curated_api():
+  packages = {p.parent.name for p in _PACKAGE.glob("*/__init__.py")}
+  assert packages == set(_LAYERS)
+  for name in _LAYERS:
+    tree = _tree(_PACKAGE / name / "__init__.py")
+    assert ast.get_docstring(tree), f"zero_jax/{name} has no docstring"
+    exported = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                and any(getattr(t, "id", None) == "__all__"
+                        for t in n.targets)]
+    assert exported, f"zero_jax/{name}/__init__.py has no __all__"
+  # Private modules leave the curation to their package's __init__.
+  for name, path in _modules().items():
+    if path.stem.startswith("_") and path.stem != "__init__":
+      assert "__all__" not in path.read_text(encoding="utf-8"), name
+  # Every module in a subpackage is private, its __init__ the only door.
+  public = [_rel(p) for p in _PACKAGE.glob("*/*.py")
+            if not p.stem.startswith("_")]
+  assert not public, f"public modules inside subpackages: {public}"
+
+
+def test_no_module_name_is_another_plus_a_suffix():
+  # (checkpoint.py beside checkpoint_files.py: a split that should have
+  # been a subpackage.)
+  bad = []
+  for folder in sorted({p.parent for p in _PACKAGE.rglob("*.py")} |
+                       {_PACKAGE}):
+    names = sorted(p.stem for p in folder.glob("*.py")
+                   if p.stem != "__init__")
+    names += sorted(p.name for p in folder.iterdir()
+                    if (p / "__init__.py").is_file())
+    for a in names:
+      for b in names:
+        if a != b and b.startswith(a):
+          bad.append(f"{_rel(folder)}: {a} / {b}")
+  assert not bad, bad
+
+
 def test_no_module_is_longer_than_500_lines():
   long = {name: n for name, path in _modules().items()
           if (n := _lines(path)) > _MAX_LINES}
@@ -41,10 +119,14 @@ def test_no_module_is_longer_than_500_lines():
                     f"role): {long}")
 
 
-def test_engine_is_at_most_400_lines():
+def test_the_engine_facade_is_at_most_400_lines():
   n = _lines(_PACKAGE / "train" / "_engine.py")
   assert n <= _MAX_ENGINE_LINES, (
-      f"zero_jax/train/_engine.py has {n} lines, more than {_MAX_ENGINE_LINES}")
+      f"zero_jax/train/_engine.py has {n} lines, more than "
+      f"{_MAX_ENGINE_LINES}: the engine is a facade over the layout")
+
+
+# -------------------------------------------------------------------- imports
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -102,10 +184,10 @@ def _import_graph() -> dict[str, set[str]]:
   known = set(modules)
   graph = {}
   for name, path in modules.items():
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     package = name if path.stem == "__init__" else name.rpartition(".")[0]
     graph[name] = set().union(*(_imported(name, package, node, known)
-                                for node in _module_level_imports(tree)))
+                                for node in _module_level_imports(
+                                    _tree(path))))
   return graph
 
 
@@ -133,8 +215,8 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycles():
-  # The package's __init__ imports its modules to re-export names; a module
-  # importing ``zero_jax`` itself would be a cycle through it, and is one.
+  # The top level loads its subpackages lazily, so only the subpackages'
+  # own imports can make a cycle.
   cycle = _find_cycle(_import_graph())
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -143,6 +225,47 @@ def test_the_cycle_finder_finds_cycles():
   assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [
       "a", "b", "c", "a"]
   assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _layer(module: str) -> str | None:
+  """The subpackage of ``zero_jax.pkg.mod`` (None at the top level)."""
+  parts = module.split(".")
+  return parts[1] if len(parts) > 2 or (
+      len(parts) == 2 and parts[1] in _LAYERS) else None
+
+
+def test_imports_follow_the_data_flow_and_public_doors():
+  """A module imports its own subpackage's private modules, earlier
+  subpackages through their public __init__, and the top-level helpers:
+  never another subpackage's private module, nor a later subpackage."""
+  bad = []
+  for name, targets in _import_graph().items():
+    own = _layer(name)
+    for target in sorted(targets):
+      there = _layer(target)
+      if there is None:
+        helper = target.rpartition(".")[2]
+        if target != "zero_jax" and helper not in _HELPERS:
+          bad.append(f"{name} imports {target}")
+        continue
+      if there == own:
+        continue
+      if target != f"zero_jax.{there}":
+        bad.append(f"{name} imports {target}, private to zero_jax.{there}"
+                   f" (import from zero_jax.{there})")
+      if own is not None and _LAYERS.index(there) > _LAYERS.index(own):
+        bad.append(f"{name} ({own}) imports {target}, a later layer")
+  assert not bad, bad
+
+
+def test_the_top_level_imports_nothing_but_the_standard_library():
+  # (So that ``import zero_jax`` changes nothing: JAX itself sets
+  # environment variables when it is imported.)
+  tree = _tree(_PACKAGE / "__init__.py")
+  names = {a.name.split(".")[0] if isinstance(n, ast.Import) else
+           (n.module or "").split(".")[0]
+           for n in _module_level_imports(tree) for a in n.names}
+  assert names <= {"__future__", "importlib", "typing"}, names
 
 
 def _imports_of(path: pathlib.Path) -> set[str]:
@@ -174,10 +297,142 @@ def test_tests_and_scripts_do_not_import_each_other():
     for directory in _SCRIPT_DIRS:
       names = imports & ({directory} | _script_modules(directory))
       for name in sorted(names):
-        bad.append(f"{path.relative_to(_ROOT)} imports {name} "
-                   f"({directory}/)")
+        bad.append(f"{_rel(path)} imports {name} ({directory}/)")
   for directory in _SCRIPT_DIRS:
     for path in sorted((_ROOT / directory).rglob("*.py")):
       if "tests" in _imports_of(path):
-        bad.append(f"{path.relative_to(_ROOT)} imports tests")
+        bad.append(f"{_rel(path)} imports tests")
   assert not bad, "; ".join(bad)
+
+
+def test_scripts_use_only_the_public_api():
+  bad = []
+  for path in sorted((_ROOT / "experiments").rglob("*.py")):
+    for node in ast.walk(_tree(path)):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module] + [f"{node.module}.{a.name}"
+                                 for a in node.names]
+      elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      else:
+        continue
+      for name in names:
+        if name.startswith("zero_jax") and any(
+            part.startswith("_") for part in name.split(".")):
+          bad.append(f"{_rel(path)}:{node.lineno} imports {name}")
+  assert not bad, bad
+
+
+# --------------------------------------------------------------- privates
+
+
+def test_no_module_reads_another_objects_private_attributes():
+  """``x._name`` only on ``self``/``cls``: an engine, a checkpointer or a
+  step function is used through its public API (no more
+  ``engine._streamer``). JAX's and orbax's internals are read in one module
+  each."""
+  bad = []
+  for path in sorted(_PACKAGE.rglob("*.py")):
+    if _rel(path) in _PRIVATE_MODULES:
+      continue
+    for node in ast.walk(_tree(path)):
+      if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+              and not node.attr.endswith("__")):
+        continue
+      if isinstance(node.value, ast.Name) and node.value.id in ("self",
+                                                                "cls"):
+        continue
+      if node.attr in _PRIVATE_READS:
+        continue
+      bad.append(f"{_rel(path)}:{node.lineno}: {ast.unparse(node)}")
+    for node in ast.walk(_tree(path)):
+      if not isinstance(node, (ast.Import, ast.ImportFrom)):
+        continue
+      modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""])
+      for module in modules:
+        if (not module.startswith("zero_jax") and
+            any(part.startswith("_") for part in module.split(".")[1:])):
+          bad.append(f"{_rel(path)}:{node.lineno}: imports {module}")
+  assert not bad, bad
+
+
+def test_only_the_interception_module_assigns_a_class_call():
+  """NNX blocks are run one at a time by wrapping their classes' __call__
+  while a step is traced, in one module, confined to the tracing thread
+  (tests/layers/test_intercept_threads.py runs it from several threads)."""
+  sites = []
+  for path in sorted(_PACKAGE.rglob("*.py")):
+    for node in ast.walk(_tree(path)):
+      if (isinstance(node, ast.Call) and getattr(node.func, "id", None) ==
+          "setattr" and len(node.args) >= 2 and
+          isinstance(node.args[1], ast.Constant) and
+          node.args[1].value == "__call__"):
+        sites.append(_rel(path))
+      elif isinstance(node, ast.Assign) and any(
+          isinstance(t, ast.Attribute) and t.attr == "__call__"
+          for t in node.targets):
+        sites.append(_rel(path))
+  assert set(sites) <= {"zero_jax/layers/_intercept.py"}, sites
+
+
+# ------------------------------------------------------------ repeated code
+
+
+# A run of this many code lines that stands twice in the package is a
+# repeat to fold (the project's duplicate finder's threshold).
+_RUN = 6
+
+
+def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:
+  """``(line number, text)`` of the lines that count: not blank, not a
+  comment, not an import, not lone punctuation, not inside a docstring;
+  white space folded."""
+  source = path.read_text(encoding="utf-8")
+  skip = set()
+  for node in ast.walk(ast.parse(source)):
+    body = getattr(node, "body", None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)):
+      skip.update(range(body[0].lineno, body[0].end_lineno + 1))
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      skip.update(range(node.lineno, node.end_lineno + 1))
+  out = []
+  for number, line in enumerate(source.splitlines(), 1):
+    text = " ".join(line.split())
+    if (number in skip or not text or text.startswith("#") or
+        not re.search(r"\w", text)):
+      continue
+    out.append((number, text))
+  return out
+
+
+def _repeats(files: dict[str, list[tuple[int, str]]]) -> list[str]:
+  """Places where a run of ``_RUN`` code lines stands a second time."""
+  first: dict[str, str] = {}
+  found = []
+  for name, lines in sorted(files.items()):
+    last = -_RUN
+    for i in range(len(lines) - _RUN + 1):
+      run = "\n".join(text for _, text in lines[i:i + _RUN])
+      key = hashlib.sha1(run.encode()).hexdigest()
+      here = f"{name}:{lines[i][0]}"
+      if key in first and i >= last + _RUN:
+        found.append(f"{here} repeats {first[key]}")
+        last = i
+      first.setdefault(key, here)
+  return found
+
+
+def test_no_block_of_code_is_repeated_in_the_package():
+  files = {_rel(p): _code_lines(p) for p in sorted(_PACKAGE.rglob("*.py"))}
+  repeats = _repeats(files)
+  assert not repeats, repeats
+
+
+def test_the_repeat_finder_finds_repeats():
+  block = [(i, f"x{i} = f(y, {i})") for i in range(_RUN)]
+  assert _repeats({"a.py": block, "b.py": block})
+  assert not _repeats({"a.py": block,
+                       "b.py": block[:_RUN - 1] + [(9, "other()")]})

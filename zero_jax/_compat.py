@@ -1,7 +1,10 @@
-"""Everything that differs between the supported jax versions (0.10 to 0.12).
+"""Everything that differs between the supported jax versions (0.10 to 0.12),
+and the only module that reads JAX's internals.
 
 The rest of the library calls these helpers and never tests
-``jax.__version__`` itself.
+``jax.__version__`` nor imports ``jax._src`` itself. Each internal has a
+fallback for a JAX that moved it, and tests/test_compat.py fails (rather
+than the fallback silently taking over) when an installed JAX lacks one.
 """
 
 from __future__ import annotations
@@ -19,3 +22,35 @@ def varying_axes(x: Any) -> frozenset[str]:
   if mat is not None:
     return frozenset(mat.varying)
   return frozenset(getattr(aval, "vma", ()))
+
+
+def backends_started() -> bool | None:
+  """Whether JAX's backends have started (devices listed, arrays made);
+  None where this JAX cannot say."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):
+    return None
+
+
+def distributed_state() -> Any:
+  """JAX's distributed-runtime state (its client, process id and count), or
+  None where a JAX version has moved it."""
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    return distributed.global_state
+  except (ImportError, AttributeError):
+    return None
+
+
+def cluster_kinds() -> list[Any] | None:
+  """The cluster environments ``jax.distributed.initialize()`` knows how to
+  bootstrap from (SLURM, Open MPI, ...), or None where a JAX version has
+  moved them."""
+  try:
+    from jax._src import clusters  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=protected-access
+    return list(clusters.ClusterEnv._cluster_types)
+  except (ImportError, AttributeError):
+    return None

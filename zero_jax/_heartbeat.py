@@ -2,9 +2,11 @@
 
 ``step_done()`` is called once per training step (``Engine.step`` does).
 Under ``python -m zero_jax.launch --watchdog`` it touches the file the
-launcher names in ``ZERO_JAX_HEARTBEAT_FILE`` (at most once a second), so
+launcher names in ``ZERO_JAX_HEARTBEAT_FILE`` (at most once a second; the
+launcher's runner creates it, with mtime 0, before the script starts), so
 the launcher can tell a hung job from a slow one; listeners added with
-``add_listener`` (fail-fast, ``zero_jax.distributed``) run on every call.
+``add_listener`` (``zero_jax.distributed``'s fail-fast, while armed) run on
+every call. It is re-exported as ``zero_jax.distributed.step_done``.
 
 Only the standard library: nothing here is imported or set up until a step
 reports, so importing the package changes nothing in the process.

@@ -13,17 +13,18 @@ import pytest
 import zero_jax as zj
 from tests import _models as m
 from zero_jax import analysis
-from zero_jax.analysis import main, parse_count
 from zero_jax.analysis import (Estimate, bytes_by_memory_kind, comm_in_psi,
-                             comm_volume, compiled_memory, estimate_activations,
-                             estimate_comm, estimate_memory,
-                             paper_estimate, paper_model_state_bytes,
-                             param_count, per_device_bytes,
-                             train_state_bytes)
+                               comm_volume, compiled_memory,
+                               estimate_activations, estimate_comm,
+                               estimate_memory, main, paper_estimate,
+                               paper_model_state_bytes, param_count,
+                               parse_count, per_device_bytes,
+                               train_state_bytes)
 
 N = 8
 GIB = 2 ** 30
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 
 
 def _split(e: Estimate) -> tuple[float, float, float]:
@@ -80,6 +81,13 @@ def test_optimizer_bytes_and_replicated_leaves():
   assert _split(e) == (4 * 300, 4 * 300, 8 * 300)
   with pytest.raises(ValueError, match="stage must be"):
     estimate_memory(1000, 8, 4)
+  # The dtype that is wrong is the one named.
+  with pytest.raises(ValueError, match="reduce_dtype must be a float dtype "
+                     "of at most 4 bytes, got 'int8'"):
+    estimate_comm(1000, 8, 3, reduce_dtype="int8")
+  with pytest.raises(ValueError, match="compute_dtype must be a float dtype "
+                     "of at most 4 bytes, got 'float64'"):
+    estimate_memory(1000, 8, 3, compute_dtype="float64")
 
 
 def test_paper_estimate_is_the_paper_formula():
@@ -191,7 +199,8 @@ def test_model_states_agree_with_the_compiled_step(gpt, stage):
   assert state_bytes == pytest.approx(est.persistent, rel=0.10)
   # ... and counting the replicated leaves makes it exact, up to scalars
   # (step, rng key, Adam's step count).
-  exact = estimate_memory(psi, N, stage, replicated=engine.param_plan.replicated_elements)
+  exact = estimate_memory(psi, N, stage,
+                          replicated=engine.param_plan.replicated_elements)
   assert measured_params == exact.params
   assert 0 <= split["opt_state"] - exact.opt_state <= 8
   assert 0 <= state_bytes - exact.persistent <= 32

@@ -1,4 +1,4 @@
-"""Memory and collectives of steps compiled for H100s (``zero_jax.aot``).
+"""Memory and collectives of steps compiled for H100s (``zero_jax.analysis``).
 
 No GPU is needed: the step is compiled for 8 (or 1) compile-only H100s, so
 these are the programs a GPU user runs. What they show that the CPU-compiled
@@ -254,7 +254,8 @@ def test_offloaded_init_compiles_for_gpus():
 
 
 def test_every_target_describes_its_gpu_and_an_a100_compiles():
-  kinds = {t: analysis.gpu_devices(t, 2)[0].device_kind for t in analysis.TARGETS}
+  kinds = {t: analysis.gpu_devices(t, 2)[0].device_kind
+           for t in analysis.TARGETS}
   assert kinds == {"h100": "NVIDIA H100 80GB HBM3",
                    "h200": "NVIDIA H200 141GB HBM3e",
                    "a100-80gb": "NVIDIA A100-SXM4-80GB"}

@@ -10,8 +10,8 @@ import zero_jax as zj
 from tests import _models as m
 from zero_jax import analysis
 from zero_jax.analysis import (compiled_memory, estimate_activations,
-                             paper_model_state_bytes, param_count,
-                             per_device_bytes)
+                               paper_model_state_bytes, param_count,
+                               per_device_bytes)
 
 N = 8
 

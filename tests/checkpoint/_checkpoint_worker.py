@@ -54,8 +54,10 @@ def resume(spec: str, out: str) -> None:
 
 
 def kill_during_save(directory: str) -> None:
-  import asyncio  # pylint: disable=g-import-not-at-top
-  from orbax.checkpoint._src.path import atomicity  # pylint: disable=g-import-not-at-top
+  # (Fault injection: orbax's commit step, stalled.)
+  # pylint: disable=g-import-not-at-top
+  import asyncio
+  from orbax.checkpoint._src.path import atomicity
 
   eng = engine(3)
   state, _ = m.run_steps(eng, eng.init(m.mlp_params()), BATCHES[:1])

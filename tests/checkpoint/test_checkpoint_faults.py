@@ -18,7 +18,8 @@ import zero_jax as zj
 from tests import _models as m
 from zero_jax.checkpoint import CheckpointWriteError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 EXIT_LIMIT_S = 60  # orbax's stuck threads would hold the exit for 300 s
 
 
@@ -46,7 +47,8 @@ def _run(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
 
 def _worker(mode: str, directory: str) -> list[str]:
   """Runs the fault worker in MODE; returns its report lines."""
-  proc, _ = _run(["-m", "tests.checkpoint._checkpoint_fault_worker", mode, directory])
+  proc, _ = _run(["-m", "tests.checkpoint._checkpoint_fault_worker", mode,
+                  directory])
   log = proc.stdout + proc.stderr
   assert proc.returncode == 0, log[-3000:]
   lines = [l for l in proc.stdout.splitlines()

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import zero_jax as zj
-from zero_jax.analysis import main
-from zero_jax.analysis import (comm_in_psi, estimate_activations, estimate_comm,
-                             estimate_memory, optimizer_state_bytes,
-                             paper_estimate, paper_model_state_bytes)
+from zero_jax.analysis import (comm_in_psi, estimate_activations,
+                               estimate_comm, estimate_memory, main,
+                               optimizer_state_bytes, paper_estimate,
+                               paper_model_state_bytes)
 
 _NAN, _INF = float("nan"), float("inf")
 
@@ -230,7 +230,8 @@ def test_cli_named_remat_with_compile_needs_names(capsys):
     (lambda: estimate_memory(1e9, 0, 3), "devices must be an integer >= 1"),
     (lambda: estimate_memory(1e9, 8.0, 3), "write 8, an int"),
     (lambda: estimate_memory(1e9, 8, 3, replica=0), "replica must be"),
-    (lambda: estimate_memory(1e9, 8, 3.0), "stage must be 0, 1, 2 or 3"),
+    (lambda: estimate_memory(1e9, 8, 3.0), "stage must be 0, 1, 2 or 3, "
+     "got 3.0; pass the ZeRO stage as an int"),
     (lambda: estimate_memory(1e9, 8, 3, k=-1), "k must be a finite number"),
     (lambda: estimate_memory(1e9, 8, 3, k=_NAN), "k must be a finite number"),
     (lambda: estimate_memory(1e9, 8, 3, activations=-1.0), "activations"),
@@ -278,3 +279,46 @@ def test_memory_functions_still_take_good_sizes():
   assert optimizer_state_bytes(k=0) == 0
   assert estimate_activations(layers=1, hidden=8, seq_len=4, micro_batch=1,
                               heads=2, vocab=0) > 0
+
+
+# ------------------------------------------------------------ one format
+
+
+@pytest.mark.parametrize("call,name,what,value", [
+    (lambda: zj.ZeroConfig(hysteresis="2"), "ZeroConfig.hysteresis",
+     "an integer in [1, ", "'2' (a str)"),
+    (lambda: estimate_memory(1e9, "8", 3), "devices",
+     "an integer >= 1", "'8' (a str)"),
+    (lambda: zj.from_deepspeed({"fp16": {"enabled": True,
+                                         "hysteresis": "2"}}),
+     "DeepSpeed config key 'fp16.hysteresis'", "an integer >= 1",
+     "'2' (a str)"),
+], ids=["ZeroConfig", "estimator", "DeepSpeed"])
+def test_config_estimators_and_deepspeed_share_one_message(call, name, what,
+                                                           value):
+  # One set of checks: the same mistake reads the same wherever it is made,
+  # with the same hint after the value.
+  with pytest.raises(ValueError) as info:
+    call()
+  message = str(info.value)
+  assert message.startswith(f"{name} must be {what}"), message
+  assert f", got {value}; write the number without quotes" in message, (
+      message)
+
+
+def test_a_bool_is_not_a_number_anywhere():
+  for call in (lambda: zj.ZeroConfig(seed=True),
+               lambda: estimate_memory(1e9, True, 3),
+               lambda: zj.from_deepspeed({"train_batch_size": True})):
+    with pytest.raises(ValueError, match="got True; True/False is not a "
+                       "number here"):
+      call()
+
+
+def test_choices_of_ints_take_numpy_ints_but_not_bools():
+  assert type(zj.ZeroConfig(stage=np.int32(1)).stage) is int
+  assert estimate_memory(1e9, 8, np.int64(3)) == estimate_memory(1e9, 8, 3)
+  assert zj.from_deepspeed({"zero_optimization": {"stage": 1}}).stage == 1
+  with pytest.raises(ValueError, match=r"'zero_optimization\.stage' must be "
+                     r"one of \(0, 1, 2, 3\), got True"):
+    zj.from_deepspeed({"zero_optimization": {"stage": True}})

@@ -420,8 +420,40 @@ def test_the_mapping_table_is_the_translation():
 
 
 def test_the_docs_table_is_the_mapping_table():
-  docs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
-                      "from-deepspeed-and-fsdp.md")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  docs = os.path.join(root, "docs", "from-deepspeed-and-fsdp.md")
   with open(docs, encoding="utf-8") as f:
     assert deepspeed.mapping_table_markdown().strip() in f.read(), (
-        "paste zero_jax.deepspeed.mapping_table_markdown() into " + docs)
+        "paste zero_jax.config.mapping_table_markdown() into " + docs)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"train_micro_batch_size_per_gpu": "8"},
+     "'train_micro_batch_size_per_gpu' must be an integer >= 1, got '8' "
+     "(a str); write the number without quotes"),
+    ({"zero_optimization": {"stage": 4}},
+     "'zero_optimization.stage' must be one of (0, 1, 2, 3), got 4"),
+    ({"gradient_clipping": float("inf")},
+     "'gradient_clipping' must be a finite number >= 0, got inf"),
+    ({"fp16": {"enabled": 1}}, "'fp16.enabled' must be true or false, got 1"),
+    ({"communication_data_type": 16},
+     "'communication_data_type' must be a string, got 16"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "ratio": 1.5}}},
+     "'zero_optimization.offload_optimizer.ratio' must be a finite number "
+     ">= 0 and <= 1, got 1.5"),
+])
+def test_bad_values_say_what_the_key_must_be(config, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    zj.from_deepspeed(config)
+
+
+def test_sizes_take_integral_floats_as_json_writes_them():
+  with pytest.warns(UserWarning, match="no effect"):
+    zj.from_deepspeed({"zero_optimization": {"stage": 3,
+                                             "reduce_bucket_size": 5e8}})
+  cfg = _load({"zero_optimization": {
+      "stage": 3, "stage3_param_persistence_threshold": 1e3}})
+  assert cfg.min_shard_elements == 1001
+  assert type(cfg.min_shard_elements) is int

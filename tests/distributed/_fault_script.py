@@ -25,9 +25,10 @@ import time
 
 # Run as a script, this file's directory is on sys.path, not the root that
 # holds the zero_jax package (when it is not installed).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
-from zero_jax.distributed import _runtime as distributed  # noqa: E402
+from zero_jax import distributed  # noqa: E402
 
 distributed.initialize()
 

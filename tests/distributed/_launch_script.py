@@ -4,8 +4,10 @@ Usage, from the repository root::
 
   python -m zero_jax.launch --nproc 2 --devices-per-proc 4 \\
       tests/distributed/_launch_script.py train OUT_DIR
-  ... tests/distributed/_launch_script.py loop OUT_DIR   # train until killed or SIGTERM
-  ... tests/distributed/_launch_script.py raise          # process 1 raises at once
+  # train until killed or SIGTERM:
+  ... tests/distributed/_launch_script.py loop OUT_DIR
+  # process 1 raises at once:
+  ... tests/distributed/_launch_script.py raise
 
 ``train`` trains the MLP of tests/_models.py for 5 steps at every ZeRO stage,
 and at stage 3 on a 2-D mesh whose replica groups are the two processes (one
@@ -24,9 +26,10 @@ import time
 
 # Run as a script, this file's directory is on sys.path, not the root that
 # holds the tests package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
-from zero_jax.distributed import _runtime as distributed  # noqa: E402
+from zero_jax import distributed  # noqa: E402
 
 # First, before anything touches devices (tests._models creates arrays at
 # import time); twice, to check that a second call is a no-op. ("loop" is

@@ -23,7 +23,8 @@ from zero_jax.distributed import _runtime as distributed
 from zero_jax.distributed import _failfast as failfast
 from zero_jax.distributed import _launcher as launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "distributed", "_launch_script.py")
 # A failed process must bring the others down within this many seconds.
 DEADLINE = 120
@@ -325,8 +326,7 @@ def test_two_processes_match_one_at_every_stage(tmp_path):
   stage, and stage 3 with the processes as replica groups."""
   proc = subprocess.run(
       [sys.executable, "-m", "zero_jax.launch", "--nproc", "2",
-       "--devices-per-proc", "4", "tests/distributed/_launch_script.py", "train",
-       str(tmp_path)],
+       "--devices-per-proc", "4", SCRIPT, "train", str(tmp_path)],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
   result = np.load(tmp_path / "result.npz")
@@ -393,8 +393,8 @@ def _logs(out_dir):
 @pytest.mark.parametrize("victim", [0])
 def test_killed_process_stops_the_other(victim, tmp_path):
   """SIGKILL one process mid-training: the survivor exits non-zero. (Process
-  0, the coordinator; a killed process 1 is tests/distributed/test_launch_faults.py's,
-  through the launcher.)"""
+  0, the coordinator; a killed process 1 is test_launch_faults.py's, through
+  the launcher.)"""
   procs = _start_pair("loop", tmp_path)
   try:
     deadline = time.monotonic() + 240
@@ -448,9 +448,8 @@ def test_sigterm_to_the_launcher_saves_one_checkpoint_for_both(tmp_path):
   process restores it."""
   proc = subprocess.Popen(
       [sys.executable, "-m", "zero_jax.launch", "--nproc", "2",
-       "--devices-per-proc", "4", "tests/distributed/_launch_script.py", "loop",
-       str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
+       "--devices-per-proc", "4", SCRIPT, "loop", str(tmp_path)], cwd=ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.monotonic() + 240
     while not all((tmp_path / f"ready{i}").exists() for i in range(2)):

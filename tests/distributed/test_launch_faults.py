@@ -1,14 +1,14 @@
 """Faults under zero_jax.launch: sys.exit(n), a signal, a hang (--watchdog).
 
 The end-to-end tests launch two real JAX processes (1 CPU device each,
-collectives over gloo) running tests/distributed/_fault_script.py, each under a time
-limit, so that a regression fails instead of hanging.
+collectives over gloo) running tests/distributed/_fault_script.py, each
+under a time limit, so that a regression fails instead of hanging.
 """
 
 from __future__ import annotations
 
 import builtins
-import faulthandler
+import json
 import os
 import signal
 import subprocess
@@ -19,13 +19,13 @@ import time
 
 import pytest
 
-from zero_jax.distributed import _runtime as distributed
-
+from zero_jax import _heartbeat
+from zero_jax import distributed
 from zero_jax.distributed import _failfast as failfast
-
 from zero_jax.distributed import _launcher as launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 SCRIPT = os.path.join("tests", "distributed", "_fault_script.py")
 
 
@@ -93,18 +93,49 @@ def test_watchdog_prints_the_stacks_and_ends_a_hung_job():
 # ----------------------------------------------------- plain processes
 
 
-def test_watchdog_without_zero_jax(tmp_path):
-  """A script that never imports zero_jax.distributed has no stack dump
-  (the signal would kill it) and never reports a step: the watchdog says so
-  and ends it."""
+def test_watchdog_prints_the_stack_of_a_script_without_zero_jax(tmp_path):
+  """A script that never imports zero_jax (nor reports a step) still has
+  its stack dump: the launcher's runner registers it before the script
+  starts. The watchdog prints where each process hangs and ends the job."""
   script = tmp_path / "sleepy.py"
-  script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
-  rc, out, elapsed = _launch("--nproc", "2", "--watchdog", "1",
-                             str(script), timeout=30)
+  script.write_text(textwrap.dedent("""
+      import sys, time
+      def sleepy_here():
+        time.sleep(60)
+      loaded = sorted(m for m in sys.modules if m.startswith("zero_jax"))
+      print("zero_jax modules:", loaded, flush=True)
+      sleepy_here()
+      """))
+  rc, out, elapsed = _launch("--nproc", "2", "--watchdog", "3",
+                             str(script), timeout=40)
   assert rc == launch.WATCHDOG_EXIT_CODE, out
-  assert "process 0 has no stack to print" in out
-  assert "process 1 has no stack to print" in out
-  assert elapsed < 20, out
+  lines = out.splitlines()
+  for i in range(2):
+    assert f"[{i}] zero_jax modules: []" in lines, out
+    assert any(l.startswith(f"[{i}] ") and "in sleepy_here" in l
+               for l in lines), out
+  assert "no stack to print" not in out
+  assert elapsed < 25, out
+
+
+def test_watchdog_spares_a_process_without_the_stack_dump(capfd):
+  """A process whose runner has not registered the stack dump (here: one
+  started without the runner) has no heartbeat file: the watchdog sends it
+  no signal, which would kill it, and ends it with SIGTERM."""
+  command = [sys.executable, "-c", textwrap.dedent("""
+      import signal, sys, time
+      def on_term(*_):
+        print("got SIGTERM", flush=True)
+        sys.exit(0)
+      signal.signal(signal.SIGTERM, on_term)
+      time.sleep(60)
+      """)]
+  launcher = launch._Launcher(command, 1, None, launch._free_port(), 30.0,
+                              watchdog=1.0)
+  assert launcher.run() == launch.WATCHDOG_EXIT_CODE
+  out, err = capfd.readouterr()
+  assert "process 0 has no stack to print" in err
+  assert "[0] got SIGTERM" in out  # (alive until then: no SIGUSR1)
 
 
 def test_sys_exit_0_in_one_process_is_no_failure(tmp_path):
@@ -142,35 +173,122 @@ def test_failure_grace_period_defaults_to_at_most_the_grace_period():
 # ------------------------------------------------------------ in-process
 
 
-def test_heartbeat(tmp_path):
+def test_the_runner_registers_the_stack_dump_and_creates_the_heartbeat(
+    tmp_path):
+  """Under --watchdog the launcher's runner registers the stack dump and
+  creates the heartbeat file with mtime 0 (running, no step yet) before the
+  script runs; a second runner (a process inheriting the variable) keeps
+  the file; without the variable it sets up neither."""
+  script = tmp_path / "probe.py"
+  script.write_text(textwrap.dedent("""
+      import faulthandler, os, signal, sys
+      path = os.environ.get("ZERO_JAX_HEARTBEAT_FILE")
+      print(os.stat(path).st_mtime_ns if path else None,
+            faulthandler.unregister(signal.SIGUSR1),
+            sorted(m for m in sys.modules if m.startswith(("jax", "zero_"))))
+      """))
   path = tmp_path / "heartbeat0"
-  assert failfast._start_heartbeat({}) is None
-  heartbeat = failfast._start_heartbeat(
-      {distributed.ENV_HEARTBEAT_FILE: str(path)})
-  try:
-    # Created with mtime 0: running, no step yet.
-    assert os.stat(path).st_mtime_ns == 0
-    heartbeat.beat()
-    first = os.stat(path).st_mtime_ns
-    assert first > 0
-    os.utime(path, ns=(1, 1))
-    heartbeat.beat()  # (within a second of the last touch: nothing)
-    assert os.stat(path).st_mtime_ns == 1
-    # A second importer (a subprocess inheriting the variable) keeps it.
-    failfast._Heartbeat(str(path)).create()
-    assert os.stat(path).st_mtime_ns == 1
-  finally:
-    faulthandler.unregister(distributed.STACK_DUMP_SIGNAL)
+  env = {k: v for k, v in os.environ.items()
+         if k != distributed.ENV_HEARTBEAT_FILE}
+
+  def run(**extra: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", launch._RUNNER, "--", str(script)],
+        env={**env, **extra}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+  assert launch.STACK_DUMP_SIGNAL == signal.SIGUSR1
+  assert run(ZERO_JAX_HEARTBEAT_FILE=str(path)) == "0 True []"
+  os.utime(path, ns=(1, 1))  # (a step)
+  assert run(ZERO_JAX_HEARTBEAT_FILE=str(path)) == "1 True []"
+  assert run() == "None False []"
 
 
-def test_step_done_without_the_launcher_is_cheap():
-  # (The launcher's variable is not set in the test process.)
-  assert failfast._heartbeat is None
+def test_step_done_touches_the_heartbeat_at_most_once_a_second(
+    monkeypatch, tmp_path):
+  path = tmp_path / "heartbeat0"
+  path.touch()
+  os.utime(path, ns=(0, 0))  # (as the runner leaves it)
+  monkeypatch.setenv(distributed.ENV_HEARTBEAT_FILE, str(path))
+  monkeypatch.setattr(_heartbeat, "_due", 0.0)
+  distributed.step_done()
+  assert os.stat(path).st_mtime_ns > 0
+  os.utime(path, ns=(1, 1))
+  distributed.step_done()  # (within a second of the last touch: nothing)
+  assert os.stat(path).st_mtime_ns == 1
+  # The launcher removed the file (it is ending the job): touched, never
+  # created.
+  path.unlink()
+  monkeypatch.setattr(_heartbeat, "_due", 0.0)
+  distributed.step_done()
+  assert not path.exists()
+
+
+def test_step_done_without_the_launcher_is_cheap(monkeypatch):
+  monkeypatch.delenv(distributed.ENV_HEARTBEAT_FILE, raising=False)
   t0 = time.perf_counter()
   for _ in range(100_000):
     distributed.step_done()
   per_call = (time.perf_counter() - t0) / 100_000
   assert per_call < 20e-6, per_call
+
+
+def test_the_watchdog_counts_steps_and_knows_who_can_dump(tmp_path):
+  ready, missing = tmp_path / "heartbeat0", tmp_path / "heartbeat1"
+  ready.touch()
+  os.utime(ready, ns=(0, 0))  # process 0's runner is up; process 1's not
+  watchdog = failfast.Watchdog(0.2, [str(ready), str(missing)])
+  time.sleep(0.3)
+  assert watchdog.stuck([0, 1]) == [0, 1]  # (mtime 0 is no step)
+  assert watchdog.has_handler(0) and not watchdog.has_handler(1)
+  os.utime(ready)  # a step
+  watchdog.next_check = 0.0  # (it looks at most every half second)
+  assert watchdog.stuck([0, 1]) == [1]
+  assert watchdog.idle(1) >= 0.3
+
+
+# What importing zero_jax.distributed changes in a process, run fresh (this
+# one has imported it already). JAX is imported first: its own import sets
+# environment variables.
+_IMPORT_PROBE = """
+import faulthandler, json, os, signal, sys, threading
+import jax
+def snapshot():
+  return {"environ": dict(os.environ), "threads": threading.active_count(),
+          "sigusr1": repr(signal.getsignal(signal.SIGUSR1)),
+          "excepthook": repr(sys.excepthook), "exit": repr(sys.exit)}
+before = snapshot()
+import zero_jax.distributed
+after = snapshot()
+jax.devices()
+zero_jax.distributed.step_done()
+print(json.dumps({"before": before, "after": after,
+                  "devices": snapshot()["sigusr1"],
+                  "stack_dump": faulthandler.unregister(signal.SIGUSR1)}))
+"""
+
+
+def test_importing_zero_jax_distributed_changes_nothing(tmp_path):
+  """Under the launcher's watchdog variable, importing the package (and
+  starting JAX's backend, and a step) registers no stack dump and creates
+  no heartbeat file: both are the launcher's runner's."""
+  beat = tmp_path / "heartbeat0"
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith("ZERO_JAX_")}
+  env.update(ZERO_JAX_HEARTBEAT_FILE=str(beat), JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT)
+  out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert not beat.exists()
+  assert r["after"]["environ"] == r["before"]["environ"]
+  assert r["after"]["threads"] == r["before"]["threads"]
+  assert r["after"] == r["before"]
+  assert r["after"]["sigusr1"] == r["devices"] == repr(signal.SIG_DFL)
+  # (getsignal does not see faulthandler's C-level handler; this does.)
+  assert r["stack_dump"] is False
 
 
 class _FakeClient:
@@ -188,11 +306,10 @@ class _FakeClient:
     return self.store[key]
 
 
-def test_fail_fast_sees_sys_exit(monkeypatch):
+def test_fail_fast_sees_sys_exit():
   previous_exit, previous_builtin = sys.exit, builtins.exit
-  guard = failfast._FailFast(_FakeClient(), process_id=1)
-  monkeypatch.setattr(failfast, "_fail_fast", guard)
-  guard.start()
+  failfast.start_fail_fast(_FakeClient(), process_id=1)
+  guard = failfast._fail_fast
   try:
     assert sys.exit is not previous_exit and builtins.exit is not \
         previous_builtin
@@ -223,12 +340,19 @@ def test_fail_fast_sees_sys_exit(monkeypatch):
     # A step after a caught sys.exit: training went on, no failure.
     with pytest.raises(SystemExit):
       sys.exit(4)
+    assert guard.exit_requested == 4
     distributed.step_done()
     assert guard.exit_requested is None
   finally:
-    guard.stop()
+    failfast.stop_fail_fast()
   assert sys.exit is previous_exit and builtins.exit is previous_builtin
   assert not guard._thread.is_alive()
+  # Disarmed, it no longer listens to the steps.
+  guard.exit_requested = 4
+  distributed.step_done()
+  assert guard.exit_requested == 4
+  failfast.main_exited(5)  # (and the runner's report goes nowhere)
+  assert guard.exit_requested == 4
 
 
 def test_fail_fast_publishes_the_exit_code():

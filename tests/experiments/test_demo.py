@@ -12,7 +12,8 @@ import pytest
 import zero_jax as zj
 from tests._gpu import compiles_for_gpus
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 # A migrating user's config, as shipped in experiments/: stage 2, fp16 with
 # dynamic loss scaling, optimizer offload to CPU (with an NVMe path that CPU
 # offload ignores), and DeepSpeed's batch arithmetic: 32 = 8 per device x 4
@@ -117,14 +118,15 @@ def _tables(stdout):
 @compiles_for_gpus
 def test_on_one_device_the_table_is_also_compiled_for_8_h100s(tmp_path):
   # One device: every stage holds the whole state, so the demo compiles the
-  # same step for 8 compile-only H100s (zero_jax.aot), where ZeRO shards it.
+  # same step for 8 compile-only H100s (zero_jax.analysis), where ZeRO
+  # shards it.
   out, _ = _run_demo(tmp_path, None, 1, 2, "--batch-size", "16",
                      table=True)
   assert out.returncode == 0, out.stdout + out.stderr
   tables = _tables(out.stdout)
   (one,) = [v for k, v in tables.items() if "N = 1 devices" in k]
   (h100,) = [v for k, v in tables.items()
-             if "compiled for 8 x H100 (compile-only: zero_jax.aot)" in k
+             if "compiled for 8 x H100 (compile-only: zero_jax.analysis)" in k
              and "N = 8 devices" in k]
   assert len(one) == 4 and len(set(one)) == 1, one
   assert len(h100) == 4, h100

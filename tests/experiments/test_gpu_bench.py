@@ -12,7 +12,8 @@ import os
 import subprocess
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 _SCRIPT = os.path.join(_ROOT, "experiments", "gpu_bench.py")
 _ZERO, _BASELINE, _TORCH = ("zero_jax stage 3", "baseline (jax.jit + optax)",
                             "torch.compile")

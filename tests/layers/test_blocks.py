@@ -1,5 +1,6 @@
 """Per-block ZeRO for models whose blocks are called in a Python loop
-(``zero_jax.blocks``): exact at every stage, one block gathered at a time.
+(``zero_jax.layer`` and the blocks the engine finds and intercepts, in
+``zero_jax.layers``): exact at every stage, one block gathered at a time.
 
 The models are transformers written as Flax's examples write them: NNX
 blocks in a list, Linen blocks created in a loop inside ``nn.compact``. The

@@ -171,7 +171,7 @@ def test_offload_params_needs_stage_3():
     zj.ZeroConfig(offload_optimizer="nvme")
 
 
-# The streamed update (zero_jax.stream) with slices small enough that these
+# The streamed update (zero_jax.offload.Streamer) with slices small enough that these
 # small models are cut: several rows of a leaf per slice, several scans.
 _STREAM_CASES = [
     ("adamw", dict(stage=3)),

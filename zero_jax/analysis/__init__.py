@@ -7,15 +7,19 @@
   ``per_device_bytes``, ``train_state_bytes``; the collectives of its HLO
   text: ``collectives``, ``summarize``, ``summarize_by_dtype``);
 - compiling the train step for NVIDIA GPUs without one (``gpu_mesh``,
-  ``compile_step``; the reference GPT: ``compile_gpt``);
+  ``compile_step``; the reference GPT: ``compile_gpt``). Ask for the GPUs
+  before anything touches JAX's devices: without a GPU, JAX's CUDA plugin
+  starts only with ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` set, which
+  ``gpu_mesh`` sets then (importing this package sets nothing);
 - the command line ``python -m zero_jax.estimate`` (``main``).
 """
 
 from zero_jax.analysis._aot import (INSTALL_HINT, TARGETS, CompiledStep,
                                     abstract_batch, compile_step,
                                     gpu_devices, gpu_mesh, target_spec)
-from zero_jax.analysis._cli import compile_gpt, gpt_shapes, main, parse_count
+from zero_jax.analysis._cli import main, parse_count
 from zero_jax.analysis._comm import comm_in_psi, comm_volume, estimate_comm
+from zero_jax.analysis._gpt_step import compile_gpt, gpt_shapes
 from zero_jax.analysis._hlo import (Collective, collectives, summarize,
                                     summarize_by_dtype)
 from zero_jax.analysis._measure import (CompiledMemory, bytes_by_memory_kind,

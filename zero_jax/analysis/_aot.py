@@ -35,17 +35,21 @@ from typing import Any
 import jax
 import numpy as np
 
+from zero_jax._compat import backends_started
 from zero_jax._devices import record_spec_memory
 from zero_jax.analysis import _hlo as hlo
 from zero_jax.analysis import _measure as measure
 from zero_jax.layout import make_mesh
 
-# No driver is needed to compile, but without this the CUDA plugin refuses to
-# start where it cannot check the CUDA libraries against one. JAX reads it
-# when its backends start, so it is set on import.
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# No driver is needed to compile, but without this variable the CUDA plugin
+# refuses to start where it cannot check the CUDA libraries against one (a
+# machine without a GPU), and then JAX describes no GPU. The plugin reads it
+# once, when JAX's backends start. ``gpu_devices`` sets it, where it still
+# takes effect; importing the library leaves the environment (and the check
+# on real GPUs) alone.
+_SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 
-# Target name -> spec file shipped in zero_jax/gpu_specs (GpuTargetConfigProto
+# Target name -> spec file shipped in analysis/gpu_specs (GpuTargetConfigProto
 # text from XLA's public specs, trimmed to what jaxlib 0.10-0.12 accept).
 TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb",
            "a100-80gb": "a100-80gb.txtpb"}
@@ -72,6 +76,13 @@ def target_spec(target: str) -> str:
 def gpu_devices(target: str = "h100", count: int = 8) -> list[jax.Device]:
   """``count`` compile-only devices of a GPU in ``TARGETS``, on one host.
 
+  On a machine without a GPU, the CUDA plugin starts only with
+  ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` set when JAX's backends start: this
+  sets it (``1``) if they have not started yet, and leaves it alone
+  otherwise. Call it (or ``gpu_mesh``) before anything touches JAX's
+  devices, set the variable before Python starts, or run with
+  ``JAX_PLATFORMS=cpu`` (which needs no variable).
+
   Args:
     target: ``"h100"``, ``"h200"`` or ``"a100-80gb"``.
     count: number of devices.
@@ -81,7 +92,10 @@ def gpu_devices(target: str = "h100", count: int = 8) -> list[jax.Device]:
 
   Raises:
     ValueError: an unknown target, or ``count < 1``.
-    ImportError: the CUDA plugin is missing (the message names the install).
+    ImportError: the CUDA plugin is missing, or does not match the installed
+      jax (the message names the install).
+    RuntimeError: JAX's backends started without the variable, before this
+      call, and the plugin refused to start (the message names the fixes).
   """
   spec = target_spec(target)
   if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -90,15 +104,29 @@ def gpu_devices(target: str = "h100", count: int = 8) -> list[jax.Device]:
     raise ImportError(f"compiling for {target} needs JAX's CUDA plugin, "
                       f"which is not installed: {INSTALL_HINT}")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  started = backends_started()
+  if not started:
+    # Where it still takes effect; a value the user set is theirs. (Unknown:
+    # set too, which does no harm if they have started.)
+    os.environ.setdefault(_SKIP_CHECK, "1")
   try:
     topo = topologies.get_topology_desc(
         platform="cuda", topology=f"1x1x{count}", target_config=spec)
   except NotImplementedError as e:
+    if started is not False or not os.environ.get(_SKIP_CHECK):
+      raise RuntimeError(
+          f"JAX's CUDA plugin did not start ({e}), so it cannot describe "
+          f"{target} devices: JAX's backends started with {_SKIP_CHECK} "
+          "unset (something touched JAX devices first, e.g. jax.devices()), "
+          "and on a machine without a GPU the plugin starts only with it "
+          "set; it is read once, when they start. Set "
+          f"{_SKIP_CHECK}=1 in the environment before starting Python, or "
+          "call zero_jax.analysis.gpu_mesh()/gpu_devices() before anything "
+          "touches JAX devices, or run with JAX_PLATFORMS=cpu") from e
     raise ImportError(
-        f"JAX's CUDA plugin did not start ({e}): on a machine without a "
-        "GPU, JAX must start with JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (import "
-        "zero_jax.aot before JAX's first computation, which sets it, or set "
-        "it in the environment)") from e
+        f"JAX's CUDA plugin did not start ({e}) although {_SKIP_CHECK} was "
+        f"set before JAX's backends started; it must match jax "
+        f"{jax.__version__}: {INSTALL_HINT}") from e
   except Exception as e:  # pylint: disable=broad-except
     raise ImportError(
         f"JAX's CUDA plugin could not describe {count} {target} devices "
@@ -117,7 +145,8 @@ def gpu_mesh(target: str = "h100", devices: int = 8, *,
 
   Engines built on it place offloaded state in ``pinned_host`` as they do on
   real GPUs (their shardings are built on the abstract mesh), and their
-  step compiles with ``compile_step``.
+  step compiles with ``compile_step``. Like ``gpu_devices`` (whose errors it
+  raises), call it before anything touches JAX's devices.
   """
   return make_mesh(devices=gpu_devices(target, devices), replica=replica)
 

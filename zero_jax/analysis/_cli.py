@@ -1,7 +1,7 @@
 """Per-device memory and communication of each ZeRO stage, from the shell.
 
 Prints, for every stage asked for, zero_jax's analytic bytes per device
-(``zero_jax.memory.estimate_memory``) next to the ZeRO paper's formula, and
+(``zero_jax.analysis.estimate_memory``) next to the ZeRO paper's formula, and
 the collectives of one step in multiples of Ψ and in GiB (MiB for small
 models). No accelerator or model is needed.
 
@@ -17,7 +17,7 @@ Example::
 
 ``--compile TARGET`` also compiles the reference GPT
 (``zero_jax.models.GPT``, fused attention, AdamW) of that shape for N GPUs
-of the target (``zero_jax.aot``; needs the ``gpu-compile`` extra) and prints
+of the target (``compile_gpt``; needs the ``gpu-compile`` extra) and prints
 the compiled step's device peak, host bytes and collectives beside the
 estimate; ``--params`` is then the model's own count.
 
@@ -33,10 +33,13 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 from typing import Any, Sequence
 
+from zero_jax.analysis import _aot as aot
+from zero_jax.analysis import _comm as comm
 from zero_jax.analysis import _memory as memory
+from zero_jax.analysis._gpt_step import compile_gpt, gpt_shapes
+from zero_jax.analysis._measure import param_count
 from zero_jax.config import NAMED_POLICIES, REMAT_POLICIES, ZeroConfig
 
 _GIB = 2 ** 30
@@ -226,87 +229,16 @@ def _analytic_report(args: argparse.Namespace, stage: int,
            f"  {unit[0] + ' per device':<18}{'zero_jax':>12}{'paper':>12}"]
   lines += [f"  {name:<18}{ours:>12}{theirs:>12}"
             for name, ours, theirs in rows]
-  comm = memory.estimate_comm(args.params, args.devices, stage,
-                              compute_dtype=compute,
-                              reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
-                              replica=args.replica)
-  in_psi = {kind: d["elements"] / args.params for kind, d in comm.items()}
-  nbytes = memory.comm_volume({kind: d["bytes"] for kind, d in comm.items()})
+  ops = comm.estimate_comm(args.params, args.devices, stage,
+                           compute_dtype=compute,
+                           reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
+                           replica=args.replica)
+  in_psi = {kind: d["elements"] / args.params for kind, d in ops.items()}
+  nbytes = comm.comm_volume({kind: d["bytes"] for kind, d in ops.items()})
   parts = " + ".join(f"{kind} {_psi(x)}" for kind, x in in_psi.items())
   lines.append(f"  communication per step: {parts}; volume "
-               f"{_psi(memory.comm_volume(in_psi))} = {size(nbytes)} {unit[0]}")
+               f"{_psi(comm.comm_volume(in_psi))} = {size(nbytes)} {unit[0]}")
   return lines
-
-
-def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
-                hidden: int, heads: int, vocab: int, seq_len: int,
-                micro_batch: int, compute_dtype: str | None = "bfloat16",
-                remat: str = "full", attention: str = "fused",
-                optimizer: str = "adamw", replica: int = 1,
-                offload_optimizer: bool = False,
-                offload_params: bool = False, update_on: str = "device"):
-  """Compiles the reference GPT's ZeRO train step for ``devices`` GPUs.
-
-  The model is ``zero_jax.models.GPT`` of the given shape (learned
-  positions, untied head), trained from shapes alone: nothing is
-  materialised.
-
-  Args:
-    target: a GPU of ``zero_jax.aot.TARGETS`` (``"h100"``, ...).
-    devices: number of GPUs.
-    stage: ZeRO stage.
-    layers, hidden, heads, vocab, seq_len: the GPT's shape.
-    micro_batch: sequences per device per step.
-    compute_dtype: ``ZeroConfig.compute_dtype``.
-    remat: ``ZeroConfig.remat``.
-    attention: ``GPTConfig.attention``.
-    optimizer: an optax optimizer without arguments beyond the learning
-      rate (``adamw``, ``adam``, ``sgd``, ``sgd_momentum``, ``lion``,
-      ``adafactor``).
-    replica: replica groups of the mesh.
-    offload_optimizer, offload_params, update_on: the ``ZeroConfig``
-      offload options (with ``update_on="host"`` the device's program is
-      compiled; the host's update is a program of its own).
-
-  Returns:
-    ``(engine, compiled)``: the ``Engine`` (its plans say what is sharded)
-    and the ``zero_jax.aot.CompiledStep``.
-  """
-  # Imported here: the analytic estimate needs neither flax nor a compiler.
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-
-  from zero_jax.analysis import _aot as aot  # pylint: disable=g-import-not-at-top
-  from zero_jax.train import Engine  # pylint: disable=g-import-not-at-top
-  from zero_jax.models import make_loss_fn  # pylint: disable=g-import-not-at-top
-
-  tx = (optax.sgd(1e-4, momentum=0.9) if optimizer == "sgd_momentum" else
-        getattr(optax, optimizer)(1e-4))
-  mesh = aot.gpu_mesh(target, devices, replica=replica)
-  graphdef, params = gpt_shapes(layers=layers, hidden=hidden, heads=heads,
-                                 vocab=vocab, seq_len=seq_len,
-                                 attention=attention)
-  config = ZeroConfig(stage=stage, compute_dtype=compute_dtype, remat=remat,
-                      offload_optimizer="host" if offload_optimizer else None,
-                      offload_params="host" if offload_params else None,
-                      update_on=update_on)
-  engine = Engine(make_loss_fn(graphdef), tx, config, mesh)
-  batch = {"tokens": jax.ShapeDtypeStruct((micro_batch * devices,
-                                           seq_len + 1), jnp.int32)}
-  return engine, aot.compile_step(engine, params, batch)
-
-
-def gpt_shapes(*, layers: int, hidden: int, heads: int, vocab: int,
-                seq_len: int, attention: str = "fused"):
-  """``(graphdef, params)`` of the reference GPT, params as shapes only."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  from zero_jax.models import GPT, GPTConfig  # pylint: disable=g-import-not-at-top
-  cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, d_model=hidden,
-                  n_layers=layers, n_heads=heads, attention=attention)
-  return nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))),
-                   nnx.Param)
 
 
 def _gib(x: float) -> str:
@@ -367,8 +299,9 @@ def report(args: argparse.Namespace) -> str:
     lines.append(f"compiled: zero_jax.models.GPT ({args.attention} "
                  f"attention, remat {args.remat}, {args.optimizer}), global "
                  f"batch {args.micro_batch * args.devices} x {args.seq_len} "
-                 f"tokens, for {args.compile} GPUs (zero_jax.aot); peak = "
-                 "argument + output + temp - alias.")
+                 f"tokens, for {args.compile} GPUs (compiled without them: "
+                 "zero_jax.analysis.compile_gpt); peak = argument + output + "
+                 "temp - alias.")
   if activations is None and args.layers is not None:
     lines.append(f"activations: no analytic estimate for remat="
                  f"{args.remat} (only full and none).")
@@ -457,8 +390,8 @@ def _check_estimate(parser: argparse.ArgumentParser,
       memory.estimate_memory(args.params, args.devices, stage,
                              optimizer=args.optimizer, k=args.k,
                              compute_dtype=compute, replica=args.replica)
-      memory.estimate_comm(args.params, args.devices, stage,
-                           compute_dtype=compute, replica=args.replica)
+      comm.estimate_comm(args.params, args.devices, stage,
+                         compute_dtype=compute, replica=args.replica)
     except ValueError as e:
       parser.error(f"--params {args.params:g} with --k "
                    f"{memory.optimizer_state_bytes(args.optimizer, args.k):g}"
@@ -468,7 +401,6 @@ def _check_estimate(parser: argparse.ArgumentParser,
 def _check_compile(parser: argparse.ArgumentParser,
                    args: argparse.Namespace) -> None:
   """Validates ``--compile`` and fills ``args.params`` with the GPT's count."""
-  from zero_jax.analysis import _aot as aot  # pylint: disable=g-import-not-at-top
   if args.compile not in aot.TARGETS:
     parser.error(f"unknown --compile target {args.compile!r}; choose one of "
                  f"{', '.join(sorted(aot.TARGETS))}")
@@ -483,12 +415,12 @@ def _check_compile(parser: argparse.ArgumentParser,
                  f"{args.heads}")
   try:
     aot.gpu_devices(args.compile, 1)
-  except ImportError as e:
+  except (ImportError, RuntimeError) as e:
     parser.error(str(e))
   _, shapes = gpt_shapes(layers=args.layers, hidden=args.hidden,
-                          heads=args.heads, vocab=args.vocab,
-                          seq_len=args.seq_len)
-  psi = memory.param_count(shapes)
+                         heads=args.heads, vocab=args.vocab,
+                         seq_len=args.seq_len)
+  psi = param_count(shapes)
   if args.params is not None and abs(args.params - psi) > 0.01 * psi:
     parser.error(f"--params {_count(args.params)} disagrees with the "
                  f"{_count(psi)} parameters of the GPT given by the shape; "

@@ -3,17 +3,17 @@ measured collectives in its terms.
 
 ``estimate_comm`` sizes each kind of collective of a stage as the paper
 does; ``comm_volume`` turns such sizes into the paper's volume;
-``comm_in_psi`` puts a measured ``zero_jax.hlo.summarize`` dict in the same
-convention. All are re-exported by ``zero_jax.memory``.
+``comm_in_psi`` puts a measured ``zero_jax.analysis.summarize`` dict in the
+same convention.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from zero_jax.analysis._inputs import (PSI_FIX, check_count, check_finite,
-                              check_number, check_replicated, check_stage,
-                              compute_bytes, data_axis)
+from zero_jax._checks import check_finite, check_float, check_int
+from zero_jax.analysis._inputs import (PSI_FIX, check_replicated, check_stage,
+                                       compute_bytes, data_axis)
 
 
 def estimate_comm(psi: float, devices: int, stage: int, *,
@@ -53,17 +53,17 @@ def estimate_comm(psi: float, devices: int, stage: int, *,
 
   Returns:
     ``{kind: {"elements": ..., "bytes": ...}}`` with kinds named as in
-    ``zero_jax.hlo.summarize``; kinds a stage does not use are left out.
+    ``zero_jax.analysis.summarize``; kinds a stage does not use are left out.
 
   Raises:
     ValueError: as ``estimate_memory``.
   """
-  check_number("psi", psi, fix=PSI_FIX)
+  check_float("psi", psi, strict=True, fix=PSI_FIX)
   n = data_axis(devices, replica)
   check_stage(stage)
+  reduce = compute_bytes(reduce_dtype, "reduce_dtype") or 4
   sizes = {"all-gather": compute_bytes(compute_dtype) or 4,
-           "reduce-scatter": compute_bytes(reduce_dtype) or 4,
-           "all-reduce": compute_bytes(reduce_dtype) or 4}
+           "reduce-scatter": reduce, "all-reduce": reduce}
   r = check_replicated(replicated, psi)
   s = psi - r
   if stage == 0:
@@ -76,7 +76,9 @@ def estimate_comm(psi: float, devices: int, stage: int, *,
          for kind, e in elements.items() if e}
   check_finite(f"estimate_comm(psi={psi!r})",
                {f"{kind} {unit}": v for kind, d in out.items()
-                 for unit, v in d.items()})
+                for unit, v in d.items()},
+               "the inputs are too large to be real; check the parameter "
+               "count")
   return out
 
 
@@ -98,7 +100,7 @@ def comm_volume(sizes: Mapping[str, float]) -> float:
 
 def comm_in_psi(summary: Mapping[str, Mapping[str, int]], psi: float,
                 n: int) -> dict[str, float]:
-  """A measured ``zero_jax.hlo.summarize`` dict in multiples of Ψ.
+  """A measured ``zero_jax.analysis.summarize`` dict in multiples of Ψ.
 
   Uses ``estimate_comm``'s convention, the full array a collective works
   on: an all-gather's or all-reduce's result is full size, but a
@@ -107,7 +109,7 @@ def comm_in_psi(summary: Mapping[str, Mapping[str, int]], psi: float,
   taken as they are.
 
   Args:
-    summary: ``zero_jax.hlo.summarize(compiled.as_text())``.
+    summary: ``zero_jax.analysis.summarize(compiled.as_text())``.
     psi: parameter count Ψ.
     n: devices of the axis the reduce-scatters run over (the ``data`` axis).
 
@@ -118,7 +120,7 @@ def comm_in_psi(summary: Mapping[str, Mapping[str, int]], psi: float,
     ValueError: ``psi`` is not a finite number > 0, or ``n`` not an
       integer >= 1.
   """
-  check_number("psi", psi, fix=PSI_FIX)
-  check_count("n", n, fix="pass the devices of the data axis")
+  check_float("psi", psi, strict=True, fix=PSI_FIX)
+  check_int("n", n, 1, fix="pass the devices of the data axis")
   return {kind: d["elements"] * (n if kind == "reduce-scatter" else 1) / psi
           for kind, d in summary.items()}

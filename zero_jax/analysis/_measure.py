@@ -2,9 +2,9 @@
 
 ``compiled_memory`` (from ``zero_jax._devices``, where the engine's
 ``remat="auto"`` reads it too) reads XLA's ``memory_analysis()`` of a
-compiled step; ``per_device_bytes`` and ``bytes_by_memory_kind`` count what a tree of
-(sharded) arrays holds on its busiest device; ``train_state_bytes`` does it
-for each field of a ``TrainState``.
+compiled step; ``per_device_bytes`` and ``bytes_by_memory_kind`` count what
+a tree of (sharded) arrays holds on its busiest device;
+``train_state_bytes`` does it for each field of a ``TrainState``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ def param_count(tree: Any) -> int:
   """Number of elements Ψ in a pytree of arrays."""
   return sum(int(np.prod(np.shape(x), dtype=np.int64))
              for x in jax.tree.leaves(tree))
-
 
 
 def train_state_bytes(state: Any) -> dict[str, int]:

@@ -1,25 +1,23 @@
-"""Memory per device: analytic models, with the measurements re-exported.
+"""Memory per device: the paper's formula and zero_jax's analytic model.
 
 The paper (arXiv:1910.02054, section 5) counts model-state bytes per device
 for Ψ parameters on N devices, with 2-byte params and gradients and K bytes
 of optimizer state per parameter (K = 12 for mixed-precision Adam). For fp32
 training params and gradients are 4 bytes and K = 8 (Adam's two moments).
 
-Three kinds of numbers:
+Three kinds of numbers, all exported by ``zero_jax.analysis``:
 
 - the paper's formula (``paper_model_state_bytes``, ``paper_estimate``),
   here;
 - an analytic model of zero_jax's *own* layouts (``estimate_memory``, here,
   which counts bytes by the engine's ``zero_jax.layout.Placement``;
   ``estimate_activations``, here; ``estimate_comm`` and ``comm_volume``, in
-  ``zero_jax.comm``), which differ from the paper's: no gradient buffer
-  persists between steps, and with fp32 compute the replicated parameters
-  of stages 0-2 are also the master copy;
+  ``_comm.py``), which differ from the paper's: no gradient buffer persists
+  between steps, and with fp32 compute the replicated parameters of stages
+  0-2 are also the master copy;
 - measurements of a real engine (``compiled_memory``, ``per_device_bytes``,
-  ``train_state_bytes``, in ``zero_jax.measure``; ``comm_in_psi`` over
-  ``zero_jax.hlo.summarize``, in ``zero_jax.comm``).
-
-Every name of the three is importable from here.
+  ``train_state_bytes``, in ``_measure.py``; ``comm_in_psi`` over
+  ``summarize`` of the compiled HLO, in ``_comm.py``).
 
 Example::
 
@@ -33,14 +31,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zero_jax.analysis._inputs import (BYTES_FIX, PSI_FIX, check_count, check_finite,
-                              check_flag, check_number, check_replicated,
-                              check_stage, compute_bytes, data_axis)
-from zero_jax.analysis._comm import comm_in_psi, comm_volume, estimate_comm
+from zero_jax._checks import check_bool, check_finite, check_float, check_int
+from zero_jax.analysis._inputs import (BYTES_FIX, PSI_FIX, check_replicated,
+                                       check_stage, compute_bytes, data_axis)
 from zero_jax.config import ZeroConfig
-from zero_jax.analysis._measure import (CompiledMemory, bytes_by_memory_kind,
-                              compiled_memory, param_count, per_device_bytes,
-                              train_state_bytes)
 from zero_jax.layout import ComputeCopy, Placement
 
 
@@ -140,13 +134,12 @@ class Estimate:
 def _check_paper_args(psi: float, n: int, stage: int, param_bytes: float,
                       grad_bytes: float, k: float) -> None:
   """The checks shared by the paper's formula and its split."""
-  check_number("psi", psi, fix=PSI_FIX)
-  check_count("n", n, fix="pass the data-parallel devices N")
+  check_float("psi", psi, strict=True, fix=PSI_FIX)
+  check_int("n", n, 1, fix="pass the data-parallel devices N")
   check_stage(stage)
-  check_number("param_bytes", param_bytes, strict=False, fix=BYTES_FIX)
-  check_number("grad_bytes", grad_bytes, strict=False, fix=BYTES_FIX)
-  check_number("k", k, strict=False,
-               fix="pass optimizer-state bytes per parameter, e.g. 12")
+  check_float("param_bytes", param_bytes, fix=BYTES_FIX)
+  check_float("grad_bytes", grad_bytes, fix=BYTES_FIX)
+  check_float("k", k, fix="pass optimizer-state bytes per parameter, e.g. 12")
 
 
 def optimizer_state_bytes(optimizer: str = "adamw",
@@ -165,9 +158,8 @@ def optimizer_state_bytes(optimizer: str = "adamw",
       a ``k`` that is negative or not finite.
   """
   if k is not None:
-    return check_number("k", k, strict=False,
-                        fix="pass optimizer-state bytes per parameter, "
-                        "e.g. 8 for fp32 Adam")
+    return check_float("k", k, fix="pass optimizer-state bytes per "
+                       "parameter, e.g. 8 for fp32 Adam")
   if optimizer not in OPTIMIZER_STATE_BYTES:
     raise ValueError(f"unknown optimizer {optimizer!r}; known: "
                      f"{sorted(OPTIMIZER_STATE_BYTES)} (or pass k=bytes per "
@@ -258,18 +250,22 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
       or the options make an invalid ``ZeroConfig`` (its message names the
       field).
   """
-  check_number("psi", psi, fix=PSI_FIX)
+  check_float("psi", psi, strict=True, fix=PSI_FIX)
   n = data_axis(devices, replica)
   check_stage(stage)
   kb = optimizer_state_bytes(optimizer, k)
   c = compute_bytes(compute_dtype)
   r = check_replicated(replicated, psi)
   if activations is not None:
-    check_number("activations", activations, strict=False,
-                 fix="pass activation bytes per device (e.g. from "
-                 "estimate_activations), or None")
-  offload_optimizer = check_flag("offload_optimizer", offload_optimizer)
-  offload_params = check_flag("offload_params", offload_params)
+    check_float("activations", activations,
+                fix="pass activation bytes per device (e.g. from "
+                "estimate_activations), or None")
+  offload_optimizer = check_bool(
+      "offload_optimizer", offload_optimizer,
+      "True stands for ZeroConfig(offload_optimizer='host')")
+  offload_params = check_bool(
+      "offload_params", offload_params,
+      "True stands for ZeroConfig(offload_params='host')")
   full = lambda b: b * psi
   sharded = lambda b: b * ((psi - r) / n + r)
   if offload_params and stage != 3:
@@ -306,7 +302,9 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
                  activations=float(activations or 0), host=float(host),
                  host_grads=float(host_grads))
   check_finite(f"estimate_memory(psi={psi!r}, k={kb!r})",
-               dataclasses.asdict(est) | {"total": est.total})
+               dataclasses.asdict(est) | {"total": est.total},
+               "the inputs are too large to be real; check the parameter "
+               "count and bytes per parameter")
   return est
 
 
@@ -374,10 +372,11 @@ def estimate_activations(*, layers: int, hidden: int, seq_len: int,
   for name, value in (("layers", layers), ("hidden", hidden),
                       ("seq_len", seq_len), ("micro_batch", micro_batch),
                       ("heads", heads)):
-    check_count(name, value, fix="pass the model's shape")
-  check_count("vocab", vocab, 0, fix="pass the vocabulary size, or 0 to "
-              "leave the logits out")
-  check_number("bytes_per_element", bytes_per_element, fix=BYTES_FIX)
+    check_int(name, value, 1, fix="pass the model's shape")
+  check_int("vocab", vocab, 0, fix="pass the vocabulary size, or 0 to "
+            "leave the logits out")
+  check_float("bytes_per_element", bytes_per_element, strict=True,
+              fix=BYTES_FIX)
   if not isinstance(remat, str) or remat not in ("full", "none"):
     raise ValueError(f"remat must be 'full' or 'none', got {remat!r}")
   tbd = seq_len * micro_batch * hidden

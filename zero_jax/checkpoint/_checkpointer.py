@@ -25,12 +25,14 @@ stored: it is a cast of the master, redone on restore.
 ``export_params`` writes the parameters alone as a plain orbax checkpoint in
 the structure given to ``Engine.init``, which Flax code loads without
 zero_jax; ``load_params`` reads such a checkpoint back, already sharded, to
-start training with a fresh optimizer (both in ``checkpoint_export``,
-importable from here).
+start training with a fresh optimizer (both in ``_export``;
+``zero_jax.checkpoint`` exports them beside ``Checkpointer``).
 
-Around ``Checkpointer``: ``checkpoint_compat`` checks that a checkpoint fits
-the model and optimizer before orbax reads it, and ``checkpoint_files``
-holds what it needs of the file system and of orbax's threads.
+Around ``Checkpointer``: ``_matching`` checks that a checkpoint fits the
+model and optimizer before orbax reads it, ``_files`` holds what it needs
+of the file system, and ``_orbax`` ends the threads that a failed
+asynchronous save leaves waiting (the one module that reads orbax's
+internals).
 """
 
 from __future__ import annotations
@@ -38,18 +40,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 import threading
-from typing import Any
+from typing import Any, Callable
+import weakref
 
 from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
+from zero_jax.checkpoint._files import COMMIT_FILE, check_usable, commit_time
 from zero_jax.checkpoint._matching import check_matches, outline
-from zero_jax.checkpoint._export import export_params, load_params
-from zero_jax.checkpoint._files import (COMMIT_FILE, at_thread_shutdown,
-                                       check_usable, commit_time,
-                                       operation_id, release_orbax_threads)
+from zero_jax.checkpoint._orbax import (before_threads_join,
+                                        current_operation_id,
+                                        release_waiting_threads)
 from zero_jax.train import Engine, LossScaleState, TrainState
 
 # The parts of the TrainState a checkpoint stores (compute_params is derived).
@@ -125,7 +129,7 @@ class Checkpointer:
     self._check_no_strays()
     self._sigterm = threading.Event()
     self._polled = False
-    at_thread_shutdown(self)
+    before_threads_join(_weakly(self._finish_at_exit))
     self._previous_handler = None
     self._installed = False
     if (handle_sigterm and jax.process_count() == 1 and
@@ -216,10 +220,10 @@ class Checkpointer:
       started = self._manager.save(step, args=ocp.args.Composite(
           meta=ocp.args.JsonSave(meta), **items))
     except (OSError, ValueError) as e:  # (orbax's "could not create")
-      release_orbax_threads(operation_id())
+      release_waiting_threads(current_operation_id())
       raise self._write_error(step, e, "failed") from e
     if started:
-      self._pending = (step, operation_id())
+      self._pending = (step, current_operation_id())
     return started
 
   def wait(self) -> None:
@@ -271,11 +275,23 @@ class Checkpointer:
       raise self._failed(pending, RuntimeError(
           "the checkpoint was not committed; see orbax's log above"))
 
+  def _finish_at_exit(self) -> None:
+    """At exit, waits for the pending save and reports a failure on stderr:
+    a program that never calls ``wait`` or ``close`` would otherwise lose
+    the error, and hang if the failure left orbax's threads waiting."""
+    if self._pending is None:
+      return
+    try:
+      self._finish()
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"zero_jax.Checkpointer at exit: {e}", file=sys.stderr,
+            flush=True)
+
   def _failed(self, pending: tuple[int, str | None],
               e: BaseException) -> CheckpointWriteError:
     # The save's other threads may wait for a step directory that will
     # never come (until orbax's 300 s timeout), holding the process at exit.
-    release_orbax_threads(pending[1])
+    release_waiting_threads(pending[1])
     try:
       # Orbax dropped the steps this save was to replace (max_to_keep) from
       # its list; they are still on disk, and still the ones to resume.
@@ -452,7 +468,8 @@ class Checkpointer:
     """
     self._polled = True
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      # pylint: disable-next=g-import-not-at-top
+      from jax.experimental import multihost_utils
       return multihost_utils.reached_preemption_sync_point(step)
     return self._sigterm.is_set()
 
@@ -463,5 +480,13 @@ def _ls_dict(ls: Any) -> dict[str, Any]:
   return {f.name: getattr(ls, f.name) for f in dataclasses.fields(ls)}
 
 
-__all__ = ["CheckpointWriteError", "Checkpointer", "export_params",
-           "load_params"]
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+  """Calls ``method`` while its object lives, without keeping it alive."""
+  ref = weakref.WeakMethod(method)
+
+  def call() -> None:
+    bound = ref()
+    if bound is not None:
+      bound()
+
+  return call

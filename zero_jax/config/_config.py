@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax.config._checks import (check_bool, check_choice, check_float,
-                                     check_int, fail, is_int)
+from zero_jax._checks import (check_bool, check_choice, check_float,
+                              check_int, fail)
 from zero_jax.config._remat import REMAT_POLICIES, RematPolicy, check_remat
 
 # The ZeRO stages: 0 (plain data parallelism) to 3.
@@ -60,7 +60,7 @@ class ZeroConfig:
     layer_classes: the blocks run one at a time (a block's parameters
       gathered at its call and in its remat'd backward at stage 3, its
       gradients reduce-scattered as backward leaves it at stages 2-3) when
-      called in a Python loop (``zero_jax.blocks``): None (the default)
+      called in a Python loop (``zero_jax.layers``): None (the default)
       finds them, as sibling Flax modules with identical parameter shapes;
       a tuple of class names (Accelerate's wrap policy) names them; ``()``
       turns it off. Scanned layers (``scan_layers``) are per layer anyway.
@@ -115,12 +115,12 @@ class ZeroConfig:
     update_on: where the optimizer update runs when state is offloaded:
       ``"device"`` (the default) streams the offloaded state through the
       device a slice at a time (a loop over the layer axis of stacked
-      leaves, and rows of other large leaves: ``zero_jax.stream``), so the
+      leaves, and rows of other large leaves: ``zero_jax.offload``), so the
       device holds a few slices of master and moments, never all of them.
       Exact for updates that keep rows and leaves apart (adam, adamw, lion,
       sgd, adafactor); a global norm in ``tx`` is an error that names
       ``clip_grad_norm``. ``"host"`` is ZeRO-Offload's
-      split (``zero_jax.host_update``): master and optimizer state live in
+      split (``zero_jax.offload``): master and optimizer state live in
       host RAM on this process's CPU devices, a program of their own
       updates them there with every core, and only gradients (down) and
       the compute copy (up) cross to the device, which holds the compute
@@ -181,26 +181,33 @@ class ZeroConfig:
   def _set(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)  # the dataclass is frozen
 
+  def _check(self, name: str, check: Callable[..., Any], *args: Any,
+             **kwargs: Any) -> None:
+    """Sets field ``name`` to ``check(<its full name>, <value>, ...)``."""
+    self._set(name, check(f"ZeroConfig.{name}", getattr(self, name), *args,
+                          **kwargs))
+
+  def _fail(self, name: str, what: str, fix: str) -> NoReturn:
+    """Raises the error of a field whose value is not ``what``."""
+    fail(f"ZeroConfig.{name}", what, getattr(self, name), fix)
+
   def _check_fields(self) -> None:
     """Checks each field on its own, normalizing numbers to int/float.
 
     (numpy scalars become Python ones, so that equal configs hash alike.)
     """
-    if not (is_int(self.stage) and self.stage in STAGES):
-      fail("stage", f"one of {STAGES}", self.stage,
-            "use 0 for plain data parallelism, 1 to shard optimizer state, "
-            "2 to also shard gradients, 3 to also shard parameters.")
-    self._set("stage", int(self.stage))
-    self._set("min_shard_elements", check_int(
-        "min_shard_elements", self.min_shard_elements, 0,
-        fix="use 0 to shard every leaf that has a dimension divisible by the "
-        "number of devices."))
-    self._set("seed", check_int(
-        "seed", self.seed, *_INT64,
-        fix="jax.random.PRNGKey takes an integer that fits in int64."))
+    self._check("stage", check_choice, STAGES,
+                "use 0 for plain data parallelism, 1 to shard optimizer "
+                "state, 2 to also shard gradients, 3 to also shard "
+                "parameters.")
+    self._check("min_shard_elements", check_int, 0,
+                fix="use 0 to shard every leaf that has a dimension "
+                "divisible by the number of devices.")
+    self._check("seed", check_int, *_INT64,
+                fix="jax.random.PRNGKey takes an integer that fits in int64.")
     if not isinstance(self.remat, str) or self.remat not in REMAT_POLICIES:
-      fail("remat", f"one of {sorted(REMAT_POLICIES)}", self.remat,
-            "'full' (the default) recomputes each layer in backward.")
+      self._fail("remat", f"one of {sorted(REMAT_POLICIES)}",
+                 "'full' (the default) recomputes each layer in backward.")
     if isinstance(self.remat_names, (str, bytes)):
       raise ValueError("ZeroConfig.remat_names must be a tuple of names, got "
                        f"the string {self.remat_names!r}; write "
@@ -208,27 +215,26 @@ class ZeroConfig:
     try:
       names = tuple(self.remat_names)
     except TypeError:
-      fail("remat_names", "a tuple of checkpoint_name tags",
-            self.remat_names, "write e.g. ('mlp_hidden',), or () for none.")
+      self._fail("remat_names", "a tuple of checkpoint_name tags",
+                 "write e.g. ('mlp_hidden',), or () for none.")
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
-      fail("remat_names", "a tuple of non-empty strings", self.remat_names,
-            f"{bad[0]!r} is not a checkpoint_name tag; write the names given "
-            "to zero_jax.checkpoint_name.")
+      self._fail("remat_names", "a tuple of non-empty strings",
+                 f"{bad[0]!r} is not a checkpoint_name tag; write the names "
+                 "given to zero_jax.checkpoint_name.")
     self._set("remat_names", names)
     # (As the enum: equal to its name, so remat="full" reads the same.)
     self._set("remat", check_remat(self.remat, names))
-    self._set("device_memory_bytes", check_int(
-        "device_memory_bytes", self.device_memory_bytes, 1, optional=True,
-        fix="give bytes per device, e.g. 80 * 2**30, or None for what the "
-        "device reports."))
+    self._check("device_memory_bytes", check_int, 1, optional=True,
+                fix="give bytes per device, e.g. 80 * 2**30, or None for "
+                "what the device reports.")
     classes = self.layer_classes
     if classes is not None:
       if (isinstance(classes, (str, bytes)) or
           not isinstance(classes, (tuple, list)) or
           not all(isinstance(c, str) and c for c in classes)):
-        fail("layer_classes", "None or a tuple of class names", classes,
-             "write e.g. ('Block',), or () to run no block as a unit.")
+        self._fail("layer_classes", "None or a tuple of class names",
+                   "write e.g. ('Block',), or () to run no block as a unit.")
       self._set("layer_classes", tuple(classes))
     for name in ("compute_dtype", "reduce_dtype"):
       value = getattr(self, name)
@@ -239,76 +245,67 @@ class ZeroConfig:
       except (TypeError, ValueError):
         canonical = None
       if canonical not in _COMPUTE_DTYPES:
-        fail(name, f"None or one of {_COMPUTE_DTYPES}", value,
-              "None keeps float32" + (
-                  " throughout." if name == "compute_dtype" else
-                  " sums; 'bfloat16' halves the reduce-scatter bytes."))
+        self._fail(name, f"None or one of {_COMPUTE_DTYPES}",
+                   "None keeps float32" + (
+                       " throughout." if name == "compute_dtype" else
+                       " sums; 'bfloat16' halves the reduce-scatter bytes."))
       self._set(name, canonical)
     for name, fix in (
         ("grad_accum_steps", "None runs one micro-batch per step, or "
          "derives the count from the batch sizes."),
         ("train_batch_size", "None leaves the global batch free."),
         ("micro_batch_size", "None leaves the per-device batch free.")):
-      self._set(name, check_int(name, getattr(self, name), 1, optional=True,
-                            fix=fix))
-    self._set("clip_grad_norm", check_float(
-        "clip_grad_norm", self.clip_grad_norm, 0.0, strict=True,
-        optional=True, what="None (no clipping) or a finite number > 0",
-        fix="use None to turn clipping off, or a norm such as 1.0."))
-    self._set("loss_scale", check_float(
-        "loss_scale", self.loss_scale, 0.0, maximum=_FLOAT32_MAX,
-        what="0 (dynamic) or a finite number > 0 (static) that fits in "
-        "float32", fix="use 0 for dynamic loss scaling, or a power of two "
-        "such as 1024.0 for a static scale."))
-    self._set("initial_scale_power", check_int(
-        "initial_scale_power", self.initial_scale_power, 0, _MAX_SCALE_POWER,
-        fix=(f"the loss scale 2**power is kept in float32, where 2**"
-             f"{_MAX_SCALE_POWER + 1} and above are inf (every step would "
-             f"overflow and be skipped); the largest allowed power is "
-             f"{_MAX_SCALE_POWER} (DeepSpeed's default is 16).")))
-    self._set("loss_scale_window", check_int(
-        "loss_scale_window", self.loss_scale_window, 1, _INT32_MAX,
-        fix="it counts the clean steps before the dynamic scale doubles "
-        "(DeepSpeed's default is 1000)."))
-    self._set("hysteresis", check_int(
-        "hysteresis", self.hysteresis, 1, _INT32_MAX,
-        fix="it counts the overflows tolerated before the scale halves "
-        "(DeepSpeed's default is 2; 1 halves at once)."))
+      self._check(name, check_int, 1, optional=True, fix=fix)
+    self._check("clip_grad_norm", check_float, 0.0, strict=True,
+                optional=True, what="None (no clipping) or a finite number > 0",
+                fix="use None to turn clipping off, or a norm such as 1.0.")
+    self._check("loss_scale", check_float, 0.0, maximum=_FLOAT32_MAX,
+                what="0 (dynamic) or a finite number > 0 (static) that fits "
+                "in float32", fix="use 0 for dynamic loss scaling, or a "
+                "power of two such as 1024.0 for a static scale.")
+    self._check("initial_scale_power", check_int, 0, _MAX_SCALE_POWER,
+                fix=(f"the loss scale 2**power is kept in float32, where 2**"
+                     f"{_MAX_SCALE_POWER + 1} and above are inf (every step "
+                     f"would overflow and be skipped); the largest allowed "
+                     f"power is {_MAX_SCALE_POWER} (DeepSpeed's default is "
+                     f"16)."))
+    self._check("loss_scale_window", check_int, 1, _INT32_MAX,
+                fix="it counts the clean steps before the dynamic scale "
+                "doubles (DeepSpeed's default is 1000).")
+    self._check("hysteresis", check_int, 1, _INT32_MAX,
+                fix="it counts the overflows tolerated before the scale "
+                "halves (DeepSpeed's default is 2; 1 halves at once).")
     max_scale = 2.0 ** self.initial_scale_power
-    self._set("min_loss_scale", check_float(
-        "min_loss_scale", self.min_loss_scale, 0.0, strict=True,
-        maximum=max_scale,
-        what=f"> 0 and at most the initial scale 2**"
-        f"{self.initial_scale_power} = {max_scale:g}",
-        fix="lower min_loss_scale (the default is 1.0), or raise "
-        "initial_scale_power."))
-    self._set("consecutive_hysteresis", check_bool(
-        "consecutive_hysteresis", self.consecutive_hysteresis,
-        "True refills the hysteresis on every clean step."))
+    self._check("min_loss_scale", check_float, 0.0, strict=True,
+                maximum=max_scale,
+                what=f"> 0 and at most the initial scale 2**"
+                f"{self.initial_scale_power} = {max_scale:g}",
+                fix="lower min_loss_scale (the default is 1.0), or raise "
+                "initial_scale_power.")
+    self._check("consecutive_hysteresis", check_bool,
+                "True refills the hysteresis on every clean step.")
     if self.offload_optimizer in ("nvme", "disk"):
-      fail("offload_optimizer", "None or 'host'", self.offload_optimizer,
-            "offload to disk (NVMe) is not implemented; use 'host' to keep "
-            "the optimizer state in host memory.")
-    check_choice("offload_optimizer", self.offload_optimizer, (None, "host"),
-                  "use 'host' to keep the optimizer state in host memory, "
-                  "None to keep it on the device.")
-    check_choice("offload_params", self.offload_params, (None, "host"),
-                  "use 'host' (stage 3) to keep the fp32 master shards in "
-                  "host memory, None to keep them on the device.")
-    check_choice("update_on", self.update_on, ("device", "host"),
-                  "'device' streams offloaded state through the device, "
-                  "'host' updates it on the host's CPU devices.")
-    self._set("delay_update", check_bool(
-        "delay_update", self.delay_update,
-        "True (with update_on='host') applies each update one step late."))
-    self._set("skip_nonfinite", check_bool(
-        "skip_nonfinite", self.skip_nonfinite,
-        "True skips steps whose gradients hold NaN or inf, False applies "
-        "them."))
-    self._set("max_consecutive_skips", check_int(
-        "max_consecutive_skips", self.max_consecutive_skips, 1, _INT32_MAX,
-        fix="it counts the skipped steps in a row tolerated before "
-        "engine.step raises FloatingPointError (the default is 10)."))
+      self._fail("offload_optimizer", "None or 'host'",
+                 "offload to disk (NVMe) is not implemented; use 'host' to "
+                 "keep the optimizer state in host memory.")
+    self._check("offload_optimizer", check_choice, (None, "host"),
+                "use 'host' to keep the optimizer state in host memory, "
+                "None to keep it on the device.")
+    self._check("offload_params", check_choice, (None, "host"),
+                "use 'host' (stage 3) to keep the fp32 master shards in "
+                "host memory, None to keep them on the device.")
+    self._check("update_on", check_choice, ("device", "host"),
+                "'device' streams offloaded state through the device, "
+                "'host' updates it on the host's CPU devices.")
+    self._check("delay_update", check_bool,
+                "True (with update_on='host') applies each update one step "
+                "late.")
+    self._check("skip_nonfinite", check_bool,
+                "True skips steps whose gradients hold NaN or inf, False "
+                "applies them.")
+    self._check("max_consecutive_skips", check_int, 1, _INT32_MAX,
+                fix="it counts the skipped steps in a row tolerated before "
+                "engine.step raises FloatingPointError (the default is 10).")
 
   def _check_combinations(self) -> None:
     """Checks the fields against each other (each is valid on its own)."""

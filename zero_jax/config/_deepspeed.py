@@ -12,8 +12,8 @@ The keys understood, and the ``ZeroConfig`` field each sets, are the rows
 of ``MAPPING``, the one table the translation reads;
 ``mapping_table_markdown()`` renders it for the docs. An absent key takes
 ZeroConfig's default, which is DeepSpeed's except where noted; a JSON
-``null`` counts as absent. What happens to every other key is in
-``zero_jax.deepspeed_keys``.
+``null`` counts as absent. What happens to every other key is in the tables
+of ``_ds_keys``, beside this module.
 
 Notes on the mapping:
 
@@ -34,7 +34,7 @@ Notes on the mapping:
   ``pipeline_read``, ``pipeline_write`` and ``nvme_path`` are accepted and
   have no effect (JAX pins host memory itself); ``ratio`` below 1 warns, as
   all of the state is offloaded.
-* The performance knobs in ``deepspeed_keys.NO_EFFECT_KEYS`` (bucket sizes,
+* The performance knobs in ``_ds_keys.NO_EFFECT_KEYS`` (bucket sizes,
   overlap, prefetching, printing...) are accepted with one warning listing
   them: XLA schedules zero_jax's communication, so they change nothing.
 * Everything else (``optimizer``, ``scheduler``, ``activation_checkpointing``,
@@ -53,12 +53,14 @@ import os
 import re
 from typing import Any, Callable, Mapping
 
-from zero_jax.config._config import ZeroConfig
+from zero_jax._checks import check_choice, check_float, fail
+from zero_jax.config._config import STAGES, ZeroConfig
 from zero_jax.config._ds_keys import (ANY, DEFAULT_ONLY, DTYPES,
                                      NO_EFFECT_KEYS, UNKNOWN,
                                      UNSUPPORTED_WHY, as_bool, as_count,
                                      as_float, as_int, as_number, as_size,
-                                     as_str, is_auto, load_config, warn)
+                                     as_str, is_auto, key_name, load_config,
+                                     warn)
 
 _MODES = ("error", "warn")
 
@@ -95,23 +97,18 @@ class DeepSpeedKey:
 
 def _clip(key: str, value: Any) -> float | None:
   value = as_number(key, value, minimum=0.0)
-  return float(value) if value > 0 else None
+  return value if value > 0 else None
 
 
 def _reduce_dtype(key: str, value: Any) -> str:
   name = as_str(key, value).strip().lower()
   if name not in DTYPES:
-    raise ValueError(f"DeepSpeed config key {key!r} must be one of "
-                     f"{sorted(set(DTYPES))}, got {value!r}")
+    fail(key_name(key), f"one of {sorted(DTYPES)}", value)
   return DTYPES[name]
 
 
 def _stage(key: str, value: Any) -> int:
-  stage = as_int(key, value, minimum=0)
-  if stage > 3:
-    raise ValueError(f"DeepSpeed config key {key!r} must be 0, 1, 2 or 3, "
-                     f"got {stage}")
-  return stage
+  return check_choice(key_name(key), value, STAGES)
 
 
 def _persistence(key: str, value: Any) -> int:
@@ -135,15 +132,15 @@ MAPPING: tuple[DeepSpeedKey, ...] = (
                  "\"fp32\", \"fp16\", \"bf16\" (absent: float32)"),
     DeepSpeedKey("fp16.enabled", "compute_dtype", None, "true: \"float16\""),
     DeepSpeedKey("fp16.loss_scale", "loss_scale",
-                 lambda k, v: float(as_number(k, v, minimum=0.0)),
+                 lambda k, v: as_number(k, v, minimum=0.0),
                  f"0: dynamic; {_FP16}"),
     DeepSpeedKey("fp16.initial_scale_power", "initial_scale_power",
                  lambda k, v: as_int(k, v, minimum=0), _FP16),
     DeepSpeedKey("fp16.loss_scale_window", "loss_scale_window", as_count,
                  _FP16),
     DeepSpeedKey("fp16.hysteresis", "hysteresis", as_count, _FP16),
-    DeepSpeedKey("fp16.min_loss_scale", "min_loss_scale",
-                 lambda k, v: float(as_float(k, v)), _FP16),
+    DeepSpeedKey("fp16.min_loss_scale", "min_loss_scale", as_float,
+                 _FP16),
     DeepSpeedKey("fp16.consecutive_hysteresis", "consecutive_hysteresis",
                  as_bool, _FP16),
     DeepSpeedKey("bf16.enabled", "compute_dtype", None,
@@ -201,9 +198,9 @@ class _Translator:
     value = section.get(key)
     if is_auto(value):
       raise ValueError(
-          f"DeepSpeed config key {prefix + key!r} is \"auto\": replace 'auto' "
-          "with a number (or true/false): HuggingFace Trainer fills these "
-          "in, zero_jax does not")
+          f"{key_name(prefix + key)} is \"auto\": replace 'auto' with a "
+          "number (or true/false): HuggingFace Trainer fills these in, "
+          "zero_jax does not")
     return value
 
   def section(self, parent: Mapping[str, Any], key: str,
@@ -212,8 +209,7 @@ class _Translator:
     if value is None:
       return {}
     if not isinstance(value, Mapping):
-      raise ValueError(f"DeepSpeed config key {prefix + key!r} must be an "
-                       f"object ({{...}}), got {value!r}")
+      fail(key_name(prefix + key), "an object ({...})", value)
     return value
 
   def mapped(self, section: Mapping[str, Any], prefix: str) -> set[str]:
@@ -335,12 +331,11 @@ class _Translator:
         p + "device", device).strip().lower()
     if device == "nvme":
       raise ValueError(
-          f"DeepSpeed config key '{p}device' is \"nvme\": disk (NVMe) "
-          f"offload does not exist in zero_jax; use \"cpu\" to keep the "
-          f"{what} in host memory")
+          f"{key_name(p + 'device')} is \"nvme\": disk (NVMe) offload does "
+          f"not exist in zero_jax; use \"cpu\" to keep the {what} in host "
+          "memory")
     if device not in ("none", "cpu"):
-      raise ValueError(f"DeepSpeed config key '{p}device' must be \"cpu\" "
-                       f"or \"none\", got {device!r}")
+      fail(key_name(p + "device"), "\"cpu\" or \"none\"", device)
     if device == "cpu":
       self.kwargs[_ROWS[p + "device"].field] = "host"
     return device
@@ -357,10 +352,7 @@ class _Translator:
         check(p + key, value)
     ratio = self.get(section, "ratio", p)
     if ratio is not None:
-      ratio = as_number(p + "ratio", ratio, minimum=0.0)
-      if ratio > 1:
-        raise ValueError(f"DeepSpeed config key '{p}ratio' must be in [0, 1]"
-                         f", got {ratio!r}")
+      ratio = check_float(key_name(p + "ratio"), ratio, maximum=1.0)
       if ratio < 1 and device == "cpu":
         self.notes.append(
             f"'{p}ratio' is {ratio}: zero_jax offloads all of the optimizer "
@@ -386,7 +378,7 @@ class _Translator:
           f"Remove {'them' if many else 'it'}, or pass unsupported='warn' to "
           f"drop {'them' if many else 'it'} with a warning.")
     for path, why in self.problems:
-      warn(f"DeepSpeed config key {path!r} is not supported by zero_jax and "
+      warn(f"{key_name(path)} is not supported by zero_jax and "
            f"was dropped: {why}")
     for note in self.notes:
       warn(f"DeepSpeed config{source}: {note}")
@@ -448,6 +440,3 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
         (f" (in DeepSpeed's terms: {'; '.join(sources)})" if sources else "")
     ) from None
 
-
-__all__ = ["DeepSpeedKey", "MAPPING", "from_deepspeed",
-           "mapping_table_markdown"]

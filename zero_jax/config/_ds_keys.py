@@ -1,10 +1,10 @@
-"""The DeepSpeed keys outside the ZeroConfig map, and the value checks.
+"""The DeepSpeed keys outside the ZeroConfig map, and the value readers.
 
-``zero_jax.deepspeed`` translates the keys of its ``MAPPING`` table into
-``ZeroConfig`` fields; this module holds what it does with every other key
-(accepted without effect, accepted at DeepSpeed's default only, refused
-with a reason) and the checks that read a JSON value, each naming the
-dotted key in its error.
+``from_deepspeed`` (``zero_jax.config``) translates the keys of its
+``MAPPING`` table into ``ZeroConfig`` fields; this module holds what it does
+with every other key (accepted without effect, accepted at DeepSpeed's
+default only, refused with a reason) and the readers of a JSON value: the
+package's shared checks, each naming the dotted key in its error.
 """
 
 from __future__ import annotations
@@ -15,39 +15,34 @@ import sys
 from typing import Any, Callable, Mapping
 import warnings
 
+from zero_jax._checks import check_bool, check_float, check_int, check_str
+
 ANY = object()  # a key of NO_EFFECT_KEYS that accepts any valid value
 
 
+def key_name(path: str) -> str:
+  """How an error names the dotted key ``path``."""
+  return f"DeepSpeed config key {path!r}"
+
+
 def as_bool(path: str, value: Any) -> bool:
-  if not isinstance(value, bool):
-    raise ValueError(f"DeepSpeed config key {path!r} must be true or false, "
-                     f"got {value!r}")
-  return value
+  return check_bool(key_name(path), value, what="true or false")
 
 
-def as_int(path: str, value: Any, *, minimum: int,
-           allow_float: bool = False) -> int:
-  """An integer >= minimum; integral floats too where JSON writes 5e8."""
-  if (allow_float and isinstance(value, float) and value.is_integer()):
-    value = int(value)
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(f"DeepSpeed config key {path!r} must be an integer >= "
-                     f"{minimum}, got {value!r}")
-  return value
+def as_int(path: str, value: Any, *, minimum: int) -> int:
+  return check_int(key_name(path), value, minimum)
 
 
 def as_number(path: str, value: Any, *, minimum: float,
               strict: bool = False) -> float:
-  """A number >= minimum (> minimum when strict)."""
-  if (isinstance(value, bool) or not isinstance(value, (int, float))
-      or value != value or value < minimum or (strict and value == minimum)):
-    raise ValueError(f"DeepSpeed config key {path!r} must be a number "
-                     f"{'>' if strict else '>='} {minimum}, got {value!r}")
-  return value
+  return check_float(key_name(path), value, minimum, strict=strict)
 
 
 def as_size(path: str, value: Any) -> int:
-  return as_int(path, value, minimum=0, allow_float=True)
+  """A size >= 0; an integral float too, as JSON writes 5e8."""
+  if isinstance(value, float) and value.is_integer():
+    value = int(value)
+  return as_int(path, value, minimum=0)
 
 
 def as_count(path: str, value: Any) -> int:
@@ -59,10 +54,7 @@ def as_float(path: str, value: Any) -> float:
 
 
 def as_str(path: str, value: Any) -> str:
-  if not isinstance(value, str):
-    raise ValueError(f"DeepSpeed config key {path!r} must be a string, got "
-                     f"{value!r}")
-  return value
+  return check_str(key_name(path), value)
 
 
 # Keys that change only how DeepSpeed schedules its communication, or what

@@ -1,6 +1,10 @@
 """Multi-process runs: JAX's distributed runtime, each process's slice of
 the batch, fail-fast and hang detection, and the launcher
-(``python -m zero_jax.launch``)."""
+(``python -m zero_jax.launch``).
+
+Importing it sets nothing up in the process: ``initialize`` arms fail-fast,
+and the launcher's runner registers the watchdog's stack dump.
+"""
 
 from zero_jax._heartbeat import ENV_HEARTBEAT_FILE, step_done
 from zero_jax.distributed._runtime import (ENV_COORDINATOR, ENV_CPU_DEVICES,

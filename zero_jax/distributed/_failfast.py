@@ -1,8 +1,9 @@
 """Fail-fast and hang detection for multi-process runs.
 
 Used by ``zero_jax.distributed`` (``initialize(fail_fast=True)``) and by
-``python -m zero_jax.launch --watchdog``; ``step_done`` is re-exported as
-``zero_jax.distributed.step_done``.
+``python -m zero_jax.launch --watchdog`` (``Watchdog``, the launcher's side).
+Importing it sets nothing up: fail-fast is armed by ``initialize``, and the
+watchdog's stack dump by the launcher.
 
 Failures. In a multi-process run a process that dies must not leave the
 others hanging in a collective. JAX's coordination service covers part of
@@ -21,36 +22,31 @@ JAX's shutdown barrier for the others, as without ``fail_fast``). Calls of
 ``raise SystemExit(n)`` only under ``python -m zero_jax.launch``, which runs
 the script through a wrapper that catches it (elsewhere it exits through
 JAX's barrier). A ``SystemExit`` that the script catches and swallows still
-counts, unless ``step_done()`` is called after it (training went on). A
-process killed by a signal is for the launcher (or JAX's heartbeats) to
-notice.
+counts, unless a step is reported after it (``step_done()``, which
+``Engine.step`` calls: training went on). A process killed by a signal is
+for the launcher (or JAX's heartbeats) to notice.
 
 Hangs. Under ``python -m zero_jax.launch --watchdog SECONDS`` every process
-reports its training steps through ``step_done()`` (``Engine.step`` calls
-it), which touches a per-process file the launcher watches (at most once a
-second; without the launcher's variable it does nothing). Importing this
-module there also registers ``faulthandler`` on SIGUSR1, so that the
-launcher can print a stuck process's Python stack.
+reports its training steps through ``zero_jax.distributed.step_done()``
+(``zero_jax._heartbeat``; ``Engine.step`` calls it), which touches a
+per-process file the launcher watches (at most once a second; without the
+launcher's variable it does nothing). The launcher's runner registers
+``faulthandler`` on the stack-dump signal in every process before the script
+starts, so that the launcher can print a stuck process's Python stack.
 """
 
 from __future__ import annotations
 
 import atexit
 import builtins
-import faulthandler
 import os
-import signal
 import sys
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable
 
-# Set by ``python -m zero_jax.launch --watchdog``: the file this process
-# touches when it finishes a training step (``step_done``).
-ENV_HEARTBEAT_FILE = "ZERO_JAX_HEARTBEAT_FILE"
-# The signal on which a process started with ENV_HEARTBEAT_FILE prints every
-# thread's Python stack to its stderr.
-STACK_DUMP_SIGNAL = signal.SIGUSR1
+from zero_jax import _heartbeat
+from zero_jax._compat import distributed_state
 
 # The coordination-service key a failing process writes its error to.
 _ABORT_KEY = "zero_jax/abort"
@@ -58,26 +54,13 @@ _POLL_SECONDS = 1.0
 # Separates the error from the exit code in the abort value (a character no
 # error message holds).
 _CODE_MARK = "\x1f"
-# step_done() touches the heartbeat file at most this often: a step costs at
-# most one time.monotonic() call in between.
-_HEARTBEAT_SECONDS = 1.0
 # How often the launcher's watchdog looks at the heartbeat files.
 _WATCH_SECONDS = 0.5
 
 
-def global_state() -> Any:
-  """JAX's distributed-runtime state (its client, process id and count), or
-  None where a JAX version has moved it."""
-  try:
-    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-    return jax_distributed.global_state
-  except (ImportError, AttributeError):
-    return None
-
-
 def _client() -> Any:
   """JAX's coordination-service client, or None."""
-  return getattr(global_state(), "client", None)
+  return getattr(distributed_state(), "client", None)
 
 
 class _FailFast:
@@ -173,6 +156,11 @@ class _FailFast:
     if threading.current_thread() is threading.main_thread():
       self.exit_requested = _system_exit_code(code)
 
+  def training_went_on(self) -> None:
+    """A step after a ``sys.exit`` the script caught: that call no longer
+    decides the exit code (a ``zero_jax._heartbeat`` listener)."""
+    self.exit_requested = None
+
   def _excepthook(self, exc_type, exc, tb) -> None:
     self._previous_hook(exc_type, exc, tb)
     self._fail(1, f"process {self._pid} failed with {exc_type.__name__}: "
@@ -264,76 +252,28 @@ def _stderr(message: str) -> None:
 
 
 _fail_fast: _FailFast | None = None
+# Removes the armed guard's step listener (``zero_jax._heartbeat``).
+_remove_listener: Callable[[], None] | None = None
 
 
 def start_fail_fast(client: Any, process_id: int) -> None:
   """Arms fail-fast for this process (``initialize(fail_fast=True)``)."""
-  global _fail_fast
+  global _fail_fast, _remove_listener
   _fail_fast = _FailFast(client, process_id)
   _fail_fast.start()
+  # Every step resets a caught sys.exit: training went on after it.
+  _remove_listener = _heartbeat.add_listener(_fail_fast.training_went_on)
 
 
 def stop_fail_fast() -> None:
   """Disarms fail-fast, if armed (``zero_jax.distributed.shutdown``)."""
-  global _fail_fast
+  global _fail_fast, _remove_listener
+  if _remove_listener is not None:
+    _remove_listener()
+    _remove_listener = None
   if _fail_fast is not None:
     _fail_fast.stop()
     _fail_fast = None
-
-
-class _Heartbeat:
-  """This process's heartbeat file, touched by ``step_done()``.
-
-  Created when this module is imported under ``zero_jax.launch --watchdog``
-  with mtime 0, which tells the launcher "running, no step yet"; every
-  later mtime means a step.
-  """
-
-  def __init__(self, path: str):
-    self.path = path
-    self.due = 0.0  # time.monotonic() of the next touch
-
-  def create(self) -> None:
-    try:
-      # O_EXCL: a subprocess of this one (a data loader) inherits the
-      # variable and imports this module too; it must not reset the file.
-      os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-      os.utime(self.path, ns=(0, 0))
-    except OSError:
-      pass
-
-  def beat(self) -> None:
-    now = time.monotonic()
-    if now < self.due:
-      return
-    self.due = now + _HEARTBEAT_SECONDS
-    try:
-      os.utime(self.path)
-    except OSError:
-      pass  # (the launcher removed it: it is ending the job)
-
-
-def _start_heartbeat(env: Mapping[str, str]) -> _Heartbeat | None:
-  """The heartbeat the launcher asked for, if it did; registers the stack
-  dump on ``STACK_DUMP_SIGNAL`` with it."""
-  path = env.get(ENV_HEARTBEAT_FILE, "").strip()
-  if not path:
-    return None
-  heartbeat = _Heartbeat(path)
-  if sys.stderr is not None:
-    try:
-      # The launcher sends the signal when the watchdog fires: the stacks
-      # say where the process hangs (in C code too, where Python's own
-      # signal handlers would never run).
-      faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr,
-                            all_threads=True, chain=False)
-    except (AttributeError, ValueError, OSError, RuntimeError):
-      pass  # (no usable stderr file descriptor: no stacks)
-  heartbeat.create()  # after the handler: the file says it is there
-  return heartbeat
-
-
-_heartbeat: _Heartbeat | None = _start_heartbeat(os.environ)
 
 
 def main_exited(code: Any) -> None:
@@ -343,38 +283,19 @@ def main_exited(code: Any) -> None:
     guard.note_exit(code)
 
 
-def step_done() -> None:
-  """Reports that this process finished a training step.
-
-  ``Engine.step`` calls it once per step; a training loop that does not use
-  the engine calls it itself. It feeds the watchdog of ``python -m
-  zero_jax.launch --watchdog SECONDS``, which ends a job whose processes go
-  that long without a step. Costs one ``time.monotonic()`` call per step, a
-  file touch at most once a second, and nothing at all when the launcher's
-  watchdog is off.
-
-  It also tells ``fail_fast`` that training went on after a ``sys.exit``
-  the script caught: that call no longer decides the exit code.
-  """
-  heartbeat = _heartbeat
-  if heartbeat is not None:
-    heartbeat.beat()
-  guard = _fail_fast
-  if guard is not None and guard.exit_requested is not None:
-    guard.exit_requested = None
-
-
 # ------------------------------------------------- the launcher's side
 
 class Watchdog:
   """The launcher's side of ``--watchdog``: tells when a running process
   has gone too long without a step.
 
-  Each process touches its heartbeat file (``distributed.step_done``); the
-  file appears, with mtime 0, once the process has imported
-  ``zero_jax.distributed``, which registers its stack dump. Any later change
-  of the mtime is a step. Times are the launcher's own monotonic clock, not
-  the files' (which a clock change would move).
+  Each process touches its heartbeat file when it finishes a step
+  (``zero_jax.distributed.step_done``, which ``Engine.step`` calls). The
+  launcher's runner creates the file, with mtime 0, once it has registered
+  the process's stack dump, before the script starts: so every launched
+  process has one, whether or not it ever imports ``zero_jax``. Any later
+  change of the mtime is a step. Times are the launcher's own monotonic
+  clock, not the files' (which a clock change would move).
   """
 
   def __init__(self, limit: float, paths: list[str]):
@@ -390,15 +311,15 @@ class Watchdog:
       try:
         mtime = os.stat(path).st_mtime_ns
       except OSError:
-        continue  # not started yet, or never imports zero_jax.distributed
+        continue  # its runner has not started yet
       if mtime != self.mtimes[i]:
         self.mtimes[i] = mtime
         if mtime != 0:
           self.last_step[i] = now
 
   def has_handler(self, i: int) -> bool:
-    """Whether process ``i`` registered the stack dump (else the signal
-    would kill it)."""
+    """Whether process ``i``'s runner registered the stack dump (else the
+    signal would kill it)."""
     return self.mtimes[i] is not None
 
   def stuck(self, running: list[int]) -> list[int]:
@@ -412,8 +333,6 @@ class Watchdog:
     return [i for i in running if now - self.last_step[i] >= self.limit]
 
   def idle(self, i: int) -> float:
+    """Seconds since process ``i``'s last step (or its launch)."""
     return time.monotonic() - self.last_step[i]
 
-
-__all__ = ["ENV_HEARTBEAT_FILE", "STACK_DUMP_SIGNAL", "Watchdog",
-           "global_state", "start_fail_fast", "step_done", "stop_fail_fast"]

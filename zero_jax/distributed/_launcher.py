@@ -24,8 +24,11 @@ compilation too), the launcher prints the Python stack of every running
 process (through ``faulthandler``, in the process's own stderr, prefixed
 ``[i]`` like the rest), ends the job as after a failure, and exits 124.
 Steps are reported by ``zero_jax.distributed.step_done()``, which
-``Engine.step`` calls; importing ``zero_jax.distributed`` registers the
-stack dump (a process that never does gets no stack dump).
+``Engine.step`` calls (a loop without the engine calls it itself). The
+launcher's runner registers the stack dump in every process before the
+script starts, so a process that hangs before importing ``zero_jax``, or
+never imports it, still has its stack printed; importing the package
+registers nothing.
 
 Exit status:
 
@@ -55,10 +58,10 @@ import threading
 import time
 from typing import IO, Mapping, Sequence
 
-from zero_jax.distributed._runtime import (ENV_COORDINATOR, ENV_CPU_DEVICES,
-                                  ENV_HEARTBEAT_FILE, ENV_NUM_PROCESSES,
-                                  ENV_PROCESS_ID, STACK_DUMP_SIGNAL)
+from zero_jax._heartbeat import ENV_HEARTBEAT_FILE
 from zero_jax.distributed._failfast import Watchdog
+from zero_jax.distributed._runtime import (ENV_COORDINATOR, ENV_CPU_DEVICES,
+                                           ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
 # The launcher's exit status when --watchdog ended the job (as ``timeout``).
 WATCHDOG_EXIT_CODE = 124
@@ -72,6 +75,9 @@ _HOST = "127.0.0.1"
 _DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
 # How long the processes get to print their stacks before SIGTERM.
 _DUMP_SECONDS = 2.0
+# The signal on which a process started with --watchdog prints every
+# thread's Python stack to its stderr (registered by _RUNNER).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
 def _free_port() -> int:
@@ -130,11 +136,31 @@ _TRAMPOLINE = (
 
 # Runs the script (or module, -m) as Python would, but sees how it ends: a
 # SystemExit from any route (sys.exit, exit(), raise SystemExit) tells
-# zero_jax.failfast the exit code, which atexit cannot learn.
-# Inline, not a module of this package: importing zero_jax would import JAX
-# before the script sets its flags.
+# zero_jax.distributed's fail-fast the exit code (main_exited), which atexit
+# cannot learn. Under --watchdog (ENV_HEARTBEAT_FILE set) it first registers
+# the stack dump, so that every process has one, whether or not the script
+# ever imports zero_jax; then it creates the heartbeat file with mtime 0,
+# which tells the launcher "running, no step yet, stack dump registered".
+# O_EXCL: a process that inherits the variable and runs this again must not
+# reset the file. (Created even without a stack dump, which only a process
+# without stderr lacks: else its steps would go unseen.)
+# Inline and standard library only, not a module of this package: importing
+# zero_jax.distributed would import JAX before the script sets its flags.
 _RUNNER = (
     "import os, runpy, sys\n"
+    f"beat = os.environ.get({ENV_HEARTBEAT_FILE!r}, '').strip()\n"
+    "if beat:\n"
+    "  import faulthandler\n"
+    "  try:\n"
+    f"    faulthandler.register({int(STACK_DUMP_SIGNAL)}, file=sys.stderr,\n"
+    "                          all_threads=True, chain=False)\n"
+    "  except (AttributeError, ValueError, OSError, RuntimeError):\n"
+    "    pass  # (no usable stderr file descriptor: no stacks)\n"
+    "  try:\n"
+    "    os.close(os.open(beat, os.O_CREAT | os.O_EXCL | os.O_WRONLY))\n"
+    "    os.utime(beat, ns=(0, 0))\n"
+    "  except OSError:\n"
+    "    pass\n"
     "mode, target = sys.argv[1], sys.argv[2]\n"
     "sys.argv = sys.argv[2:]\n"
     "if mode == '-m':\n"
@@ -282,8 +308,8 @@ class _Launcher:
          "--watchdog.")
     for i in running:
       if not watchdog.has_handler(i):
-        _say(f"process {i} has no stack to print: it never imported "
-             "zero_jax.distributed, which registers the stack dump")
+        _say(f"process {i} has no stack to print: it has not started its "
+             "runner, which registers the stack dump")
         continue
       try:
         # (The process itself, not its group: a grandchild without the

@@ -20,8 +20,10 @@ With none of these it does nothing, so the same script runs as a plain
 single process.
 
 Failures and hangs (a process that fails or stops making steps must not
-leave the others waiting in a collective): see ``zero_jax.failfast``;
-``step_done`` is re-exported here.
+leave the others waiting in a collective): ``initialize`` arms fail-fast
+(``_failfast.py``); ``python -m zero_jax.launch --watchdog`` ends a hung job,
+fed by ``zero_jax.distributed.step_done`` (``zero_jax._heartbeat``, which
+``Engine.step`` calls).
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax.distributed import _failfast as _failfast
-from zero_jax.distributed._failfast import (ENV_HEARTBEAT_FILE, STACK_DUMP_SIGNAL,
-                               step_done)
+from zero_jax._compat import backends_started, cluster_kinds, distributed_state
+from zero_jax.distributed import _failfast
 from zero_jax.layout import batch_axes
 
 # Set by ``python -m zero_jax.launch`` for each process it starts.
@@ -104,12 +105,7 @@ def _detected_cluster() -> str | None:
   found, except Kubernetes outside an indexed job: JAX would claim every
   pod is a cluster and then fail to bootstrap a plain single-process one.
   """
-  try:
-    from jax._src import clusters  # pylint: disable=g-import-not-at-top
-    # pylint: disable-next=protected-access
-    kinds = list(clusters.ClusterEnv._cluster_types)
-  except (ImportError, AttributeError):
-    kinds = None
+  kinds = cluster_kinds()
   if kinds is None:
     # (JAX's internals moved: recognise the two common launchers by hand.)
     if all(v in os.environ for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST",
@@ -140,16 +136,9 @@ def _one_process_per_node(env: Mapping[str, str]) -> bool:
   return env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == "1"
 
 
-def _backend_initialized() -> bool:
-  try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-    return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):
-    return False  # (jax.distributed.initialize checks it too)
-
-
 def _require_fresh_backend(what: str) -> None:
-  if _backend_initialized():
+  # (Unknown: jax.distributed.initialize checks it too.)
+  if backends_started():
     raise RuntimeError(
         f"zero_jax.distributed.initialize() must {what} before JAX's backend "
         "starts, but it has started already. Call initialize() at the top "
@@ -215,7 +204,7 @@ def initialize(coordinator_address: str | None = None,
     fail_fast: if a process ends with an uncaught exception or
       ``sys.exit(n)``, ``n`` non-zero, it exits at once and the others
       (polling once a second) exit too, with the same exit code, instead of
-      waiting for timeouts (see ``zero_jax.failfast``).
+      waiting for timeouts (``zero_jax.distributed``'s fail-fast).
     **kwargs: passed to ``jax.distributed.initialize`` (e.g.
       ``initialization_timeout``, ``shutdown_timeout_seconds``,
       ``cluster_detection_method``).
@@ -266,7 +255,7 @@ def initialize(coordinator_address: str | None = None,
       coordinator_address, num_processes, process_id,
       local_device_ids=local_device_ids,
       heartbeat_timeout_seconds=heartbeat_timeout_seconds, **kwargs)
-  state = _failfast.global_state()
+  state = distributed_state()
   client = getattr(state, "client", None)
   if fail_fast and client is not None and state.num_processes > 1:
     _failfast.start_fail_fast(client, int(state.process_id))
@@ -391,9 +380,3 @@ def local_batch(batch: Any, mesh: Mesh) -> Any:
     cut = [np.concatenate([x[a:b] for a, b in ranges]) for x in arrays]
   return jax.tree.unflatten(treedef, cut)
 
-
-__all__ = ["DEFAULT_HEARTBEAT_TIMEOUT_SECONDS", "ENV_COORDINATOR",
-           "ENV_CPU_DEVICES", "ENV_HEARTBEAT_FILE", "ENV_NUM_PROCESSES",
-           "ENV_PROCESS_ID", "STACK_DUMP_SIGNAL", "initialize",
-           "is_main_process", "local_batch", "process_batch_slice",
-           "shutdown", "step_done"]

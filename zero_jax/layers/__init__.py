@@ -2,16 +2,18 @@
 
 ``scan_layers`` (stacked layers in a scan), ``layer`` (one block called in
 a loop), the Flax adapters ``scan_nnx`` and ``scan_linen``, and the blocks
-the engine finds and runs one at a time by itself.
+the engine finds (``find_units``) and runs one at a time by itself
+(``intercepting``).
 """
 
 from jax.ad_checkpoint import checkpoint_name
 
-from zero_jax.layers._blocks import (Unit, describe_units, find_units,
-                                     intercepting, layer)
 from zero_jax.layers._flax import scan_linen, scan_nnx
+from zero_jax.layers._intercept import intercepting
+from zero_jax.layers._layer import layer
 from zero_jax.layers._remat import remat_policy
 from zero_jax.layers._scan import scan_layers
+from zero_jax.layers._units import Unit, describe_units, find_units
 
 __all__ = [
     "Unit",

@@ -23,16 +23,10 @@ import warnings
 from typing import Any, Callable
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax import materialize
 from zero_jax.layers._remat import remat_policy
 from zero_jax.layout import LeafPlan
-
-# ``checkpoint_name(x, name)`` tags an activation for the named policies; it
-# is ``jax.ad_checkpoint.checkpoint_name``, re-exported for convenience.
-__all__ = ["NAMED_POLICIES", "REMAT_POLICIES", "checkpoint_name",
-           "remat_policy", "scan_layers"]
 
 
 def _slice_plan(lp: LeafPlan) -> LeafPlan:
@@ -53,7 +47,7 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
     init: initial carry (the hidden state).
     xs: pytree whose leaves all have the layer count as leading dimension:
       the stacked parameters, plus anything else to scan over.
-    remat: a key of ``REMAT_POLICIES``; default: the engine's
+    remat: a ``zero_jax.REMAT_POLICIES`` name; default: the engine's
       ``ZeroConfig.remat`` (``"full"`` outside an engine).
     remat_names: ``checkpoint_name`` tags for the named policies; default:
       the engine's ``ZeroConfig.remat_names``.

@@ -83,7 +83,7 @@ def layout_mesh(mesh: Mesh):
   """The mesh to build a ``NamedSharding`` on.
 
   ``mesh`` itself, except for compile-only devices (a GPU described by
-  ``zero_jax.aot``, not present): they have no addressable memories, so a
+  ``zero_jax.analysis.gpu_devices``, not present): they have no addressable memories, so a
   sharding on them silently drops ``memory_kind="pinned_host"``. Their
   shardings are built on ``mesh.abstract_mesh`` instead, and the step is
   compiled under ``jax.set_mesh(mesh)``.

@@ -11,9 +11,9 @@ from zero_jax.materialize._collectives import (cast, gather_from,
                                                gather_leaf, gather_replicated,
                                                reduce_leaf, reduce_tree,
                                                use_with_scattered_grad)
-from zero_jax.materialize._materializer import (HandedParam, LossContext,
-                                                Materializer, current,
-                                                handing_over)
+from zero_jax.materialize._context import (LossContext, current,
+                                           handing_over)
+from zero_jax.materialize._materializer import HandedParam, Materializer
 
 __all__ = [
     "HandedParam",

@@ -39,7 +39,7 @@ def _to_replica_varying(x: jax.Array) -> jax.Array:
   # transpose all-reduce the reduce-scattered shard across groups, not the
   # full gradient.
   # (Already varying there when a block's barrier joined it to the
-  # activation: zero_jax.blocks.)
+  # activation: zero_jax.layers.layer.)
   vma = varying_axes(x)
   axes = tuple(a for a in replica_axes() if a not in vma)
   return jax.lax.pcast(x, axes, to="varying") if axes else x
@@ -56,7 +56,7 @@ def _like_of(x: jax.Array) -> jax.Array:
 def _scatter_grad(dim: int, g: jax.Array, reduce_dtype, like: jax.Array):
   """Reduce-scatter over ``data``, then all-reduce across replica groups,
   in the dtype of ``like`` (``_like_of`` the shard). Where the shard itself
-  varies across groups (a block's barrier made it so: zero_jax.blocks), the
+  varies across groups (a block's barrier made it so: zero_jax.layers.layer), the
   sum across groups is left to that variation's transpose."""
   g = jax.lax.psum_scatter(cast(g, reduce_dtype), DATA,
                            scatter_dimension=dim, tiled=True)

@@ -1,27 +1,6 @@
-"""Host-side training metrics: tokens/s, MFU, a progress bar, JSON-lines logs.
-
-Everything here runs on the host between steps; nothing is traced or
-compiled. Values that come off devices (the loss, the gradient norm, ...) are
-fetched with a single ``jax.device_get`` per call, and only when they are
-actually written out. Throughput and MFU are here; the progress bar, the
-JSON-lines logger and ``to_python`` live in ``zero_jax.progress`` and are
-importable from here too.
-
-Example::
-
-  fpt = transformer_flops_per_token(n_params, n_layers, seq_len, d_model)
-  meter = Throughput(global_batch * seq_len, flops_per_token=fpt,
-                     peak=peak_flops(), num_devices=jax.device_count())
-  with ProgressBar(num_steps, every=10) as bar, JsonlLogger("log.jsonl") as log:
-    for step in range(1, num_steps + 1):
-      state, out = engine.step(state, next(batches))
-      jax.block_until_ready(out)           # the step has really finished
-      meter.update()
-      if step % 10 == 0 or step == num_steps:
-        rates = meter.window()             # tokens/s, step_time, mfu
-        log.log(step, loss=out["loss"], **rates)
-        bar.update(step, loss=out["loss"], **rates)
-"""
+"""Throughput and MFU: tokens per second, step time and model FLOPs
+utilization, measured on the host between steps, and the peak FLOP/s of
+known accelerators."""
 
 from __future__ import annotations
 
@@ -30,19 +9,6 @@ import time
 
 import jax
 
-from zero_jax.metrics._progress import JsonlLogger, ProgressBar, to_python
-
-
-__all__ = [
-    "JsonlLogger",
-    "PEAK_FLOPS",
-    "ProgressBar",
-    "Throughput",
-    "mfu",
-    "peak_flops",
-    "to_python",
-    "transformer_flops_per_token",
-]
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per device, keyed by a
 # whole-word substring of ``jax.Device.device_kind``; ``peak_flops`` picks the

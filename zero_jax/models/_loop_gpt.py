@@ -1,9 +1,9 @@
 """GPTs whose blocks are called in a Python loop, as Flax's examples write
 them: NNX blocks in a list, Linen blocks made in a loop inside
 ``nn.compact``; with ``scanned=True`` the same blocks stacked and run through
-``zero_jax.scan_nnx`` / ``zero_jax.scan_linen``. What ``zero_jax.blocks``
-is measured and tested on (``benchmarks/block_memory.py``,
-``tests/test_blocks.py``)."""
+``zero_jax.scan_nnx`` / ``zero_jax.scan_linen``. What ``zero_jax.layers``
+runs one block at a time on (``experiments/block_memory.py``,
+``tests/layers/test_blocks.py``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which parameters an optax update mixes: a dataflow pass over its jaxpr.
 
-The streamed update (``zero_jax.stream``) runs ``tx.update`` on slices of
+The streamed update (``Streamer``, ``zero_jax.offload``) runs ``tx.update`` on slices of
 the state, a few rows of one leaf at a time. That is exact only when no
 output row depends on another row of the same leaf, and no leaf's update
 depends on another leaf. This module proves both from the traced update

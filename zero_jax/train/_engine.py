@@ -13,12 +13,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from zero_jax import layers
 from zero_jax.config import RematPolicy, ZeroConfig
 from zero_jax.layout import DATA, REPLICA, Placement, Plan
-from zero_jax.train import _auto_remat, _checks, _init
+from zero_jax.train import _auto_remat, _init
 from zero_jax.train._grads import Loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
                                     check_runs_here, signature)
@@ -86,21 +86,8 @@ class Engine:
     self.step = StepFunction(self)
 
   # ------------------------------------------------------- what it holds
-
-  @property
-  def loss_fn(self) -> Callable[..., Any]:
-    """The loss function given."""
-    return self.loss.fn
-
-  @property
-  def has_aux(self) -> bool:
-    """``loss_fn`` returns ``(loss, aux)``."""
-    return self.loss.has_aux
-
-  @property
-  def with_rng(self) -> bool:
-    """``loss_fn`` takes a PRNG key."""
-    return self.loss.with_rng
+  # (The loss is ``engine.loss``, the batch sizes ``engine.batch``, the rest
+  # of the layout ``engine.layout``; these are the ones scripts read most.)
 
   @property
   def n(self) -> int:
@@ -108,29 +95,9 @@ class Engine:
     return self.mesh.shape[DATA]
 
   @property
-  def replica(self) -> int:
-    """Replica groups (1 without a ``replica`` axis)."""
-    return dict(self.mesh.shape).get(REPLICA, 1)
-
-  @property
-  def axes(self) -> tuple[str, ...]:
-    """The mesh axes the batch is split over."""
-    return self.batch.axes
-
-  @property
-  def num_devices(self) -> int:
-    """Devices the batch is split over."""
-    return self.batch.num_devices
-
-  @property
   def train_batch_size(self) -> int | None:
     """The global batch per step, where the config fixes it."""
     return self.batch.train_batch_size
-
-  @property
-  def micro_batch_size(self) -> int | None:
-    """Examples per device per micro-batch, where the config fixes it."""
-    return self.batch.micro_batch_size
 
   @property
   def grad_accum_steps(self) -> int:
@@ -174,11 +141,6 @@ class Engine:
     """The dtype of every parameter leaf given to ``init``, flattened:
     ``gather_params`` and exported parameters return these."""
     return list(self._laid_out().param_dtypes)
-
-  @property
-  def units(self) -> tuple[layers.Unit, ...]:
-    """The repeated blocks of the parameter tree."""
-    return self._laid_out().units
 
   # ------------------------------------------------------------ layout
 
@@ -304,8 +266,9 @@ class Engine:
     cfg = self.config
     n = self.n
     where_ = f"{n} device(s) on '{DATA}'"
-    if self.replica > 1:
-      where_ += f", replicated over {self.replica} '{REPLICA}' groups"
+    replica = dict(self.mesh.shape).get(REPLICA, 1)
+    if replica > 1:
+      where_ += f", replicated over {replica} '{REPLICA}' groups"
     lines = [f"ZeRO stage {pl.stage} over {where_}; compute in "
              f"{pl.copy_dtype.name}, master and optimizer state in float32",
              f"{'parameter':<40} {'shape':<18} layout"]

@@ -21,8 +21,9 @@ from zero_jax import materialize, offload
 from zero_jax.layout import ComputeCopy, UpdateKind, map_leaves
 from zero_jax.train import _init
 from zero_jax.train._state import TrainState, device_part, on_host
-from zero_jax.train._update import (grad_shardings, injected_learning_rate,
-                                    new_state, prepare)
+from zero_jax.train._update import (OnDevice, grad_shardings,
+                                    injected_learning_rate, new_state,
+                                    prepare)
 
 
 def _device_zeros(shape: tuple, dtype: Any, sharding: Any) -> jax.Array:
@@ -30,8 +31,10 @@ def _device_zeros(shape: tuple, dtype: Any, sharding: Any) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Streamed:
-  """Offloaded state updated on the device, slice by slice.
+class Streamed(OnDevice):
+  """Offloaded state updated on the device, slice by slice: ``OnDevice``'s
+  jitted step and host side, with the update and the first state built a
+  slice at a time.
 
   Attributes:
     streamer: how the state is cut into slices.
@@ -39,11 +42,6 @@ class Streamed:
 
   streamer: offload.Streamer
   kind = UpdateKind.STREAMED
-
-  def jit(self, layout, fn):
-    r = layout.replicated
-    return jax.jit(fn, donate_argnums=0,
-                   out_shardings=(layout.state_shardings, r, r))
 
   def finish(self, layout, state, grads, metrics):
     pl = layout.placement
@@ -75,13 +73,6 @@ class Streamed:
       device_master = jax.tree.unflatten(jax.tree.structure(master), compute)
     return new_state(layout, state, master, opt_state, device_master,
                      prepared, metrics)
-
-  def device_input(self, state):
-    return state
-
-  def after(self, layout, state, outputs, carry):
-    del layout, state
-    return (*outputs, carry)
 
   def initializer(self, layout, params):
     """The streamed init, and its arguments: the placed parameters, then
@@ -143,12 +134,6 @@ class Streamed:
                       rng=jax.random.PRNGKey(layout.config.seed),
                       compute_params=compute_params,
                       loss_scale=_init.first_loss_scale(layout))
-
-  def init(self, layout, params):
-    return _init.placed(layout, params, *self.initializer(layout, params))
-
-  def compute_copy(self, layout, master):
-    return _init.cast_copy(layout, master)
 
   def describe(self):
     return self.streamer.describe()
