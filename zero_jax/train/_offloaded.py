@@ -150,9 +150,10 @@ class OnHost:
 
   host: offload.HostUpdate
   kind = UpdateKind.HOST
-  # The host's update is jitted per prepare function: one per layout, made
-  # once (id -> (layout, its prepare)).
-  _prepares: dict = dataclasses.field(default_factory=dict, repr=False)
+  # The host's update is jitted per prepare function: the current layout's,
+  # made once ([layout, its prepare]; a new layout replaces it).
+  _prepare_of: list = dataclasses.field(default_factory=lambda: [None, None],
+                                        repr=False)
 
   def jit(self, layout, fn):
     # The device's program: gradients out for the host's update (in host
@@ -221,11 +222,9 @@ class OnHost:
         compute_params=compute), metrics, at_min, carry
 
   def _prepare(self, layout):
-    found = self._prepares.get(id(layout))
-    if found is None or found[0] is not layout:
-      found = self._prepares[id(layout)] = (
-          layout, functools.partial(_host_prepare, layout))
-    return found[1]
+    if self._prepare_of[0] is not layout:
+      self._prepare_of[:] = [layout, functools.partial(_host_prepare, layout)]
+    return self._prepare_of[1]
 
   def initializer(self, layout, params):
     raise ValueError(
