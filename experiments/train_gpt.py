@@ -71,13 +71,33 @@ PRESETS = {
 }
 
 
-def parse_args() -> argparse.Namespace:
+# The flags a DeepSpeed config replaces (it sets these itself), by their
+# argparse names; giving one with --deepspeed-config is an error.
+DEEPSPEED_REPLACES = ("stage", "compute_dtype", "batch_size",
+                      "grad_accum_steps", "clip_grad_norm",
+                      "offload_optimizer")
+# Defaults of flags whose default is None so that the demo can tell a flag
+# given from one left out (to refuse contradictions).
+DEFAULTS = dict(stage=3, grad_accum_steps=1, clip_grad_norm=1.0,
+                save_every=100, keep=3, export_dtype="float32")
+
+
+def flag(name: str) -> str:
+  """The command-line spelling of an argparse destination."""
+  return "--" + name.replace("_", "-")
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace,
+                                   argparse.ArgumentParser]:
+  """The flags, checked against each other (nothing touches a device)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--deepspeed-config", default=None, metavar="FILE",
                  help="a DeepSpeed JSON config; it replaces --stage, "
                  "--compute-dtype, --batch-size, --grad-accum-steps, "
-                 "--clip-grad-norm and --offload-optimizer")
-  p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+                 "--clip-grad-norm and --offload-optimizer (giving one of "
+                 "them too is an error)")
+  p.add_argument("--stage", type=int, default=None, choices=(0, 1, 2, 3),
+                 help="ZeRO stage (default 3)")
   p.add_argument("--replica", type=int, default=1,
                  help="replica groups: state sharded inside each group of "
                  "devices // replica devices, replicated across groups")
@@ -91,10 +111,11 @@ def parse_args() -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=None)
   p.add_argument("--batch-size", type=int, default=None,
                  help="global batch size (sequences per step)")
-  p.add_argument("--grad-accum-steps", type=int, default=1,
-                 help="micro-batches per step (the global batch is split)")
-  p.add_argument("--clip-grad-norm", type=float, default=1.0,
-                 help="clip to this global norm (0: no clipping)")
+  p.add_argument("--grad-accum-steps", type=int, default=None,
+                 help="micro-batches per step (the global batch is split; "
+                 "default 1)")
+  p.add_argument("--clip-grad-norm", type=float, default=None,
+                 help="clip to this global norm (0: no clipping; default 1)")
   p.add_argument("--offload-optimizer", default=None, choices=("host",),
                  help="keep the optimizer state in host memory")
   p.add_argument("--preset", default="auto", choices=("auto",) + tuple(
@@ -115,23 +136,67 @@ def parse_args() -> argparse.Namespace:
                  help="append every step's metrics to PATH as JSON lines")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--plot", default=None, metavar="PATH",
-                 help="write a PNG of the memory table to PATH")
-  p.add_argument("--skip-memory-table", action="store_true")
+                 help="write a PNG of the memory table to PATH (needs "
+                 "matplotlib: pip install -e \".[plot]\")")
+  p.add_argument("--skip-memory-table", action="store_true",
+                 help="after training, do not compile the step at stages "
+                 "0-3 for the per-device memory table")
   p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                  help="save checkpoints to DIR (and on SIGTERM); resume "
                  "from its latest checkpoint if it has one")
-  p.add_argument("--save-every", type=int, default=100, metavar="N")
-  p.add_argument("--keep", type=int, default=3,
-                 help="checkpoints kept in --checkpoint-dir")
+  p.add_argument("--save-every", type=int, default=None, metavar="N",
+                 help="save every N steps (default 100; needs "
+                 "--checkpoint-dir)")
+  p.add_argument("--keep", type=int, default=None,
+                 help="checkpoints kept in --checkpoint-dir (default 3)")
   p.add_argument("--init-params", default=None, metavar="DIR",
                  help="start from a parameters-only checkpoint (from "
                  "--export-params or plain orbax), fresh optimizer")
   p.add_argument("--export-params", default=None, metavar="DIR",
                  help="after training, write the parameters as one plain "
                  "orbax checkpoint (loadable without zero_jax)")
-  p.add_argument("--export-dtype", default="float32",
-                 choices=("float32", "bfloat16"))
-  args = p.parse_args()
+  p.add_argument("--export-dtype", default=None,
+                 choices=("float32", "bfloat16"),
+                 help="dtype of --export-params (default float32)")
+  args = p.parse_args(argv)
+  check_flags(p, args)
+  for key, value in DEFAULTS.items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  return args, p
+
+
+def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Refuses flags that contradict each other (or that would silently do
+  nothing) and a --plot that could not be drawn, before any work."""
+  given = lambda name: getattr(args, name) is not None
+  if args.deepspeed_config:
+    for name in DEEPSPEED_REPLACES:
+      if given(name):
+        p.error(f"{flag(name)} contradicts --deepspeed-config, which sets "
+                "it: set it in the DeepSpeed config, or drop "
+                "--deepspeed-config")
+  if args.plot and args.skip_memory_table:
+    p.error("--plot draws the memory table, which --skip-memory-table "
+            "skips: drop one of them")
+  for name in ("save_every", "keep"):
+    if given(name) and not args.checkpoint_dir:
+      p.error(f"{flag(name)} needs --checkpoint-dir (nothing is saved "
+              "without it)")
+  if given("export_dtype") and not args.export_params:
+    p.error("--export-dtype needs --export-params (nothing is exported "
+            "without it)")
+  if args.plot:
+    try:
+      import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:
+      p.error("--plot needs matplotlib, which is not installed: "
+              "pip install -e \".[plot]\" (or drop --plot)")
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+  """Fills the flags left out from ``--preset`` (auto: gpu on a GPU). Call
+  it after ``zj.distributed.initialize()``: "auto" lists the devices."""
   preset = args.preset
   if preset == "auto":
     preset = "gpu" if jax.default_backend() == "gpu" else "cpu"
@@ -141,7 +206,6 @@ def parse_args() -> argparse.Namespace:
       setattr(args, key, value)
   if args.compute_dtype == "float32":
     args.compute_dtype = None
-  return args
 
 
 # --------------------------------------------------------------------- data
@@ -240,19 +304,43 @@ MEMORY_NOTE = (
     "in the state.")
 
 
+# XLA's CPU code generation turned down for the tables' compiles: they are
+# never run, and these passes act after buffer assignment, so the bytes are
+# the same (tests/conftest.py compiles the suite so) in half the time.
+CPU_TABLE_COMPILE = {"xla_backend_optimization_level": 0,
+                     "xla_llvm_disable_expensive_passes": True}
+
+
+def compiled_step_memory(engine, shapes, batch):
+  """The compiled memory of ``engine``'s step for parameter ``shapes`` and
+  ``batch`` (``zero_jax.analysis.compile_step``'s, on a CPU mesh with
+  ``CPU_TABLE_COMPILE``)."""
+  if engine.mesh.devices.flat[0].platform != "cpu":
+    return analysis.compile_step(engine, shapes, batch).memory
+  state = engine.abstract_state(shapes)
+  with jax.set_mesh(engine.mesh):
+    lowered = engine.step.lower(state, analysis.abstract_batch(engine, batch))
+    return analysis.compiled_memory(lowered.compile(CPU_TABLE_COMPILE))
+
+
 def memory_table(loss_fn, tx, params, batch, mesh, config, title,
-                 plot_path=None) -> None:
+                 plot_path=None, say=print) -> None:
   """Compiles the step at every stage on ``mesh`` from the shapes of
-  ``params`` and ``batch`` (``zero_jax.analysis.compile_step``: any mesh,
-  real or compile-only devices) and prints per-device memory."""
+  ``params`` and ``batch`` (any mesh, real or compile-only devices) and
+  prints per-device memory, saying each compile as it goes."""
   n = mesh.shape[DATA]
   psi = param_count(params)
   shapes = jax.eval_shape(lambda p: p, params)  # nothing is placed
   rows = []
+  say(f"\nmemory table of the {title}: compiling the step at stages 0-3",
+      flush=True)
   for stage in range(4):
+    t0 = time.perf_counter()
     engine = zj.Engine(loss_fn, tx, dataclasses.replace(config, stage=stage),
                        mesh)
-    mem = analysis.compile_step(engine, shapes, batch).memory
+    mem = compiled_step_memory(engine, shapes, batch)
+    say(f"  stage {stage} compiled ({time.perf_counter() - t0:.1f}s)",
+        flush=True)
     # Less the batch's bytes on one device (as the step lays it out); plus
     # offloaded state, which GPUs keep in host memory, outside `argument`.
     batch_bytes = per_device_bytes(analysis.abstract_batch(engine, batch))
@@ -311,10 +399,15 @@ def memory_table(loss_fn, tx, params, batch, mesh, config, title,
 
 
 def main() -> None:
-  args = parse_args()
+  args, parser = parse_args()
   # Several processes (zero_jax.launch, SLURM, ...): join them; one plain
-  # process: nothing to do. Before anything touches the devices.
+  # process: nothing to do. Before anything touches the devices (the
+  # preset "auto" lists them).
   zj.distributed.initialize()
+  apply_preset(args)
+  if args.plot and jax.process_count() > 1:
+    parser.error("--plot draws the memory table, which is compiled in one "
+                 "process only: run without the launcher, or drop --plot")
   say = print if zj.distributed.is_main_process() else lambda *a, **k: None
   t_start = time.perf_counter()
   mesh = zj.make_mesh(num_devices=args.devices, replica=args.replica)
@@ -386,7 +479,8 @@ def main() -> None:
       jax.block_until_ready(metrics)
       meter.update()
       if step == first:
-        say(f"compile + first step {time.perf_counter() - t_train:.1f}s")
+        say(f"step {step} loss {float(metrics['loss']):.4f} (compile + "
+            f"first step {time.perf_counter() - t_train:.1f}s)")
         if engine.remat_reason:
           say(engine.remat_reason)
       shown = {k: metrics[k] for k in ("loss", "grad_norm", "learning_rate",
@@ -473,7 +567,7 @@ def main() -> None:
         zero_config, train_batch_size=batch_size, micro_batch_size=None,
         grad_accum_steps=engine.grad_accum_steps)
     memory_table(loss_fn, tx, params, batch, mesh, table_config,
-                 "compiled train step", args.plot)
+                 "compiled train step", args.plot, say)
     # On one device every stage holds everything: compile the same step for
     # 8 GPUs (compile-only devices, no GPU needed) to see ZeRO shard it.
     if n == 1 and batch_size % (8 * engine.grad_accum_steps):
@@ -487,7 +581,7 @@ def main() -> None:
       else:
         memory_table(loss_fn, tx, params, batch, h100, table_config,
                      "train step compiled for 8 x H100 (compile-only: "
-                     "zero_jax.analysis)")
+                     "zero_jax.analysis)", say=say)
     say(MEMORY_NOTE)
   say(f"\ntotal {time.perf_counter() - t_start:.1f}s")
 

@@ -180,7 +180,8 @@ def test_the_top_level_api_is_the_curated_list_and_nothing_else():
       "LossScaleState", "REMAT_POLICIES", "RematPolicy", "TrainState",
       "ZeroConfig", "analysis", "checkpoint_name", "distributed",
       "estimate_activations", "estimate_comm", "estimate_memory",
-      "export_params", "from_deepspeed", "layer", "load_params",
+      "export_params", "from_deepspeed", "initialize", "layer",
+      "load_params",
       "make_mesh", "metrics", "models", "scan_layers", "scan_linen",
       "scan_nnx", "simulate_cpu_devices"]
   for name in zj.__all__:

@@ -46,6 +46,7 @@ _NAMES = {
     "estimate_memory": "analysis",
     "export_params": "checkpoint",
     "from_deepspeed": "config",
+    "initialize": "train",
     "layer": "layers",
     "load_params": "checkpoint",
     "make_mesh": "layout",
@@ -88,4 +89,5 @@ if TYPE_CHECKING:  # (what the names are, for type checkers and IDEs)
   from zero_jax.layers import (checkpoint_name, layer, scan_layers,
                                scan_linen, scan_nnx)
   from zero_jax.layout import make_mesh, simulate_cpu_devices
-  from zero_jax.train import Engine, Layout, LossScaleState, TrainState
+  from zero_jax.train import (Engine, Layout, LossScaleState, TrainState,
+                              initialize)

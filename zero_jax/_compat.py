@@ -9,6 +9,7 @@ than the fallback silently taking over) when an installed JAX lacks one.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import jax
@@ -54,3 +55,24 @@ def cluster_kinds() -> list[Any] | None:
     return list(clusters.ClusterEnv._cluster_types)
   except (ImportError, AttributeError):
     return None
+
+
+# The CUDA plugins' module names: a JAX that moved ``cuda_versions`` has one
+# of these installed exactly when it can compile for NVIDIA GPUs.
+_CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
+def cudnn_detected() -> bool:
+  """Whether this JAX can trace cuDNN's fused attention: its CUDA plugin's
+  ``cuda_versions`` is loaded. Without it (a plain ``pip install jax``),
+  ``jax.nn.dot_product_attention(..., implementation="cudnn")`` raises
+  ``RuntimeError: cuDNN is not detected.`` as soon as it is traced, even
+  inside a ``lax.platform_dependent`` branch a CPU program never runs; and
+  no program for an NVIDIA GPU can be compiled anyway."""
+  try:
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src.lib import cuda_versions
+  except ImportError:
+    return any(importlib.util.find_spec(name) is not None
+               for name in _CUDA_PLUGINS)
+  return cuda_versions is not None

@@ -2,10 +2,12 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -354,3 +356,84 @@ def test_sigterm_still_terminates_a_loop_that_never_asks(tmp_path):
                         env=dict(os.environ, PYTHONPATH=ROOT),
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+
+
+def _doc_block(page: str, says: str) -> str:
+  """The python block of docs/<page> that contains ``says``."""
+  text = open(os.path.join(ROOT, "docs", page), encoding="utf-8").read()
+  blocks = [b for b in re.findall(r"^```python\n(.*?)^```", text,
+                                  re.M | re.S) if says in b]
+  assert len(blocks) == 1, f"docs/{page}: {len(blocks)} blocks with {says!r}"
+  return blocks[0]
+
+
+def test_an_export_of_8_devices_loads_on_1_with_the_documented_code(
+    tmp_path):
+  # docs/checkpoints.md's plain-orbax load, as written, in a process with
+  # one CPU device and without zero_jax: orbax would rebuild the exporting
+  # engine's 8-device sharding ("Topology mismatch detected") and refuses
+  # a relative path.
+  engine = _engine(3)
+  state, _ = m.run_steps(engine, engine.init(m.mlp_params()), BATCHES[:2])
+  zj.export_params(engine, state, tmp_path / "out", dtype=jnp.bfloat16)
+  want = {k: np.asarray(v.astype(jnp.bfloat16)).astype(np.float32)
+          for k, v in engine.gather_params(state).items()}
+  code = _doc_block("checkpoints.md", "ocp.StandardCheckpointer().restore")
+  code += textwrap.dedent("""
+      import sys
+      assert len(jax.devices()) == 1, jax.devices()
+      assert not any(m.startswith("zero_jax") for m in sys.modules)
+      assert all(isinstance(v, np.ndarray) for v in params.values())
+      assert all(v.devices() == {jax.devices()[0]}
+                 for v in on_device.values())
+      np.savez("got.npz", **{k: np.asarray(v, np.float32)
+                             for k, v in params.items()},
+               **{"on_device/" + k: np.asarray(v, np.float32)
+                  for k, v in on_device.items()})
+      """)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  env.pop("PYTHONPATH", None)  # (no zero_jax: plain orbax)
+  out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  got = np.load(tmp_path / "got.npz")
+  for k, v in want.items():
+    np.testing.assert_array_equal(got[k], v)
+    np.testing.assert_array_equal(got["on_device/" + k], v)
+
+
+def test_an_export_names_no_devices_and_keeps_orbaxs_standard_format(
+    tmp_path):
+  # Restored without a target on the same devices too, the export gives
+  # whole host arrays (no device layout recorded), and zero_jax's own
+  # load_params takes a relative path.
+  engine = _engine(3)
+  state = engine.init(m.mlp_params())
+  zj.export_params(engine, state, tmp_path / "p")
+  got = ocp.StandardCheckpointer().restore(tmp_path / "p")
+  assert all(isinstance(v, np.ndarray) for v in got.values()), got
+  cwd = os.getcwd()
+  os.chdir(tmp_path)
+  try:
+    params = zj.load_params("p", engine, m.mlp_params())
+  finally:
+    os.chdir(cwd)
+  for x, sh in zip(jax.tree.leaves(params),
+                   jax.tree.leaves(engine.param_plan.shardings)):
+    assert x.sharding.is_equivalent_to(sh, x.ndim)
+
+
+def test_the_mismatch_message_docs_checkpoints_md_quotes_is_the_real_one(
+    saved, tmp_path, monkeypatch):
+  text = open(os.path.join(ROOT, "docs", "checkpoints.md"),
+              encoding="utf-8").read()
+  quote = re.search(r"e\.g\. `(checkpoint of step [^`]*)`", text, re.S)
+  assert quote, "docs/checkpoints.md quotes no mismatch message"
+  quote = " ".join(quote.group(1).split())
+  shutil.copytree(saved[0]["plain"], tmp_path / "ckpt")
+  monkeypatch.chdir(tmp_path)
+  with zj.Checkpointer("ckpt") as ckpt:
+    with pytest.raises(ValueError) as e:
+      ckpt.restore(_engine(3), _wider_params())
+  assert quote in str(e.value), (quote, str(e.value))

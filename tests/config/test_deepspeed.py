@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 import zero_jax as zj
+from zero_jax import config as zconfig
 from zero_jax.config import _deepspeed as deepspeed
 from zero_jax.config import _ds_keys as deepspeed_keys
 
@@ -144,9 +145,12 @@ _UNSUPPORTED = [
     ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}, "optimizer",
      "optax"),
     ({"scheduler": {"type": "WarmupLR", "params": {}}}, "scheduler", "optax"),
-    ({"activation_checkpointing": {"partition_activations": True}},
-     "activation_checkpointing", "remat"),
-    ({"amp": {"enabled": True}}, "amp", "bf16"),
+    ({"torch_autocast": {"enabled": True}}, "torch_autocast",
+     "bf16.enabled"),
+    ({"amp": {"enabled": True, "opt_level": "O3"}}, "amp.opt_level",
+     "master weights"),
+    ({"amp": {"enabled": True, "cast_model_type": "float16"}},
+     "amp.cast_model_type", "compute_dtype"),
     ({"tensorboard": {"enabled": True}}, "tensorboard", "metrics"),
     ({"wandb": {"enabled": True}}, "wandb", "metrics"),
     ({"flops_profiler": {"enabled": True}}, "flops_profiler", "profiler"),
@@ -156,7 +160,6 @@ _UNSUPPORTED = [
      "loss_fn"),
     ({"data_types": {"grad_accum_dtype": "bf16"}},
      "data_types.grad_accum_dtype", "float32"),
-    ({"prescale_gradients": True}, "prescale_gradients", "pre-division"),
     ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor",
      "pre-division"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
@@ -189,13 +192,13 @@ def test_unsupported_key_warns_and_is_dropped(config, key, why):
 
 
 def test_every_unsupported_key_is_listed_once():
-  config = {"optimizer": {}, "scheduler": {}, "wandb": {},
+  config = {"optimizer": {}, "scheduler": {}, "wandb": {"enabled": True},
             "zero_optimization": {"stage": 3,
-                                  "cpu_offload_param": True}}
+                                  "zero_quantized_weights": True}}
   with pytest.raises(ValueError, match="4 keys") as info:
     zj.from_deepspeed(config)
   for key in ("optimizer", "scheduler", "wandb",
-              "zero_optimization.cpu_offload_param"):
+              "zero_optimization.zero_quantized_weights"):
     assert f"  {key}: " in str(info.value)
   with pytest.warns(UserWarning) as record:
     cfg = zj.from_deepspeed(config, unsupported="warn")
@@ -225,8 +228,6 @@ def test_deepspeed_defaults_written_out_are_accepted():
     ({"gradient_clipping": "auto"}, "gradient_clipping"),
     ({"fp16": {"enabled": "auto"}}, "fp16.enabled"),
     ({"bf16": {"enabled": "auto"}}, "bf16.enabled"),
-    ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}},
-     "zero_optimization.reduce_bucket_size"),
     ({"zero_optimization": {"stage": 3,
                             "stage3_param_persistence_threshold": "auto"}},
      "zero_optimization.stage3_param_persistence_threshold"),
@@ -271,7 +272,7 @@ def test_tuning_keys_warn_once():
           "elastic_checkpoint": False, "load_from_fp32_weights": True}
   top = {"steps_per_print": 10, "wall_clock_breakdown": False,
          "zero_allow_untested_optimizer": True, "dump_state": False,
-         "prescale_gradients": False, "gradient_predivide_factor": 1.0}
+         "prescale_gradients": True, "gradient_predivide_factor": 1.0}
   with pytest.warns(UserWarning, match="no effect in zero_jax") as record:
     cfg = zj.from_deepspeed(dict(top, zero_optimization=zero))
   assert len(record) == 1
@@ -402,14 +403,14 @@ def test_offload_param_maps_to_stage3_parameter_offload():
 
 
 def test_the_mapping_table_is_the_translation():
-  table = deepspeed.mapping_table_markdown()
+  table = zconfig.mapping_table_markdown()
   lines = table.splitlines()
   assert lines[0].startswith("| DeepSpeed key | ZeroConfig field")
-  assert len(lines) == 2 + len(deepspeed.MAPPING)
-  for row, line in zip(deepspeed.MAPPING, lines[2:]):
+  assert len(lines) == 2 + len(zconfig.MAPPING)
+  for row, line in zip(zconfig.MAPPING, lines[2:]):
     assert line.startswith(f"| `{row.key}` |")
   # The top-level count rows set their field from their key.
-  for row in deepspeed.MAPPING:
+  for row in zconfig.MAPPING:
     if row.read is None or not row.key.startswith(("train_", "gradient_")):
       continue
     assert getattr(zj.from_deepspeed({row.key: 2}), row.field) == 2
@@ -419,13 +420,31 @@ def test_the_mapping_table_is_the_translation():
       "Notes on the mapping")[0]
 
 
-def test_the_docs_table_is_the_mapping_table():
-  root = os.path.dirname(os.path.dirname(os.path.dirname(
+def _root():
+  return os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
-  docs = os.path.join(root, "docs", "from-deepspeed-and-fsdp.md")
+
+
+def test_the_docs_table_is_the_mapping_table():
+  docs = os.path.join(_root(), "docs", "deepspeed.md")
   with open(docs, encoding="utf-8") as f:
-    assert deepspeed.mapping_table_markdown().strip() in f.read(), (
-        "paste zero_jax.config.mapping_table_markdown() into " + docs)
+    text = f.read()
+  assert zconfig.mapping_table_markdown().strip() in text, (
+      "paste zero_jax.config.mapping_table_markdown() into " + docs)
+  assert zconfig.key_list_markdown().strip() in text, (
+      "paste zero_jax.config.key_list_markdown() into " + docs)
+
+
+def test_the_key_list_covers_every_table():
+  table = zconfig.key_list_markdown()
+  for key in (list(deepspeed_keys.NO_EFFECT_KEYS) +
+              list(deepspeed_keys.UNSUPPORTED_WHY) +
+              list(deepspeed_keys.ALIASES) + list(deepspeed_keys.SWITCHED) +
+              [row.key for row in zconfig.MAPPING]):
+    assert f"| `{key}` |" in table, key
+  # The logging keys say what zero_jax does instead, not "XLA".
+  line = next(l for l in table.splitlines() if "`steps_per_print`" in l)
+  assert "JsonlLogger" in line and "XLA" not in line
 
 
 @pytest.mark.parametrize("config,message", [
@@ -457,3 +476,227 @@ def test_sizes_take_integral_floats_as_json_writes_them():
       "stage": 3, "stage3_param_persistence_threshold": 1e3}})
   assert cfg.min_shard_elements == 1001
   assert type(cfg.min_shard_elements) is int
+
+
+# ------------------------------------------------ issue 26: as people write
+
+
+def test_auto_without_effect_needs_no_value():
+  # (Read as absent: no value, no warning.)
+  cfg = _load({"zero_optimization": {
+      "stage": 2, "reduce_bucket_size": "auto",
+      "stage3_param_persistence_threshold": "auto"}})
+  assert cfg.stage == 2 and cfg.min_shard_elements == 1024
+
+
+def test_every_auto_left_is_reported_at_once_with_its_keyword():
+  config = {"train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "zero_optimization": {
+                "stage": 3, "stage3_param_persistence_threshold": "auto"}}
+  with pytest.raises(ValueError) as info:
+    zj.from_deepspeed(config)
+  message = str(info.value)
+  for key, word in [("train_micro_batch_size_per_gpu",
+                     "per_device_train_batch_size"),
+                    ("gradient_accumulation_steps",
+                     "gradient_accumulation_steps"),
+                    ("gradient_clipping", "max_grad_norm"),
+                    ("bf16.enabled", "bf16"),
+                    ("zero_optimization.stage3_param_persistence_threshold",
+                     "hidden_size")]:
+    assert re.search(_key(key) + f": pass {word}", message), (key, message)
+  cfg = _load(config, per_device_train_batch_size=2,
+              gradient_accumulation_steps=3, max_grad_norm=0.5, bf16=True,
+              hidden_size=64)
+  assert (cfg.micro_batch_size, cfg.grad_accum_steps,
+          cfg.train_batch_size) == (2, 3, None)
+  assert cfg.batch_sizes(8) == (48, 2, 3)
+  assert cfg.clip_grad_norm == 0.5 and cfg.compute_dtype == "bfloat16"
+  assert cfg.min_shard_elements == 641  # 10 x hidden_size, + 1
+
+
+def test_two_batch_sizes_determine_an_auto_third():
+  cfg = _load({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2,
+               "gradient_accumulation_steps": "auto"})
+  assert cfg.batch_sizes(8) == (64, 2, 4)
+
+
+def test_keywords_must_agree_with_written_values_and_exist():
+  with pytest.raises(ValueError, match=r"'gradient_clipping' is 1.0 but "
+                     r"max_grad_norm=0.5"):
+    zj.from_deepspeed({"gradient_clipping": 1.0}, max_grad_norm=0.5)
+  with pytest.raises(TypeError, match="per_device_train_batch_size"):
+    zj.from_deepspeed({}, batch_size=2)
+
+
+def test_field_names_and_aliases_are_both_read():
+  zero = {"stage": 3, "param_persistence_threshold": 99,
+          "gather_16bit_weights_on_model_save": True,
+          "prefetch_bucket_size": 10, "max_live_parameters": 10,
+          "max_reuse_distance": 10, "model_persistence_threshold":
+          9223372036854775807}
+  with pytest.warns(UserWarning, match="export_params"):
+    cfg = zj.from_deepspeed({"zero_optimization": zero})
+  assert cfg.min_shard_elements == 100
+  with pytest.raises(ValueError, match="field and its alias"):
+    zj.from_deepspeed({"zero_optimization": {
+        "stage": 3, "param_persistence_threshold": 1,
+        "stage3_param_persistence_threshold": 1}})
+
+
+@pytest.mark.parametrize("mode", ["error", "warn"])
+def test_deprecated_cpu_offload_maps_to_offload(mode):
+  with pytest.warns(UserWarning, match="deprecated"):
+    cfg = zj.from_deepspeed({"zero_optimization": {
+        "stage": 3, "cpu_offload": True, "cpu_offload_param": True}},
+        unsupported=mode)
+  assert cfg.offload_optimizer == "host" and cfg.offload_params == "host"
+  # Parameter offload below stage 3 cannot happen: an error, never a drop.
+  with pytest.raises(ValueError, match="cpu_offload_param"):
+    zj.from_deepspeed({"zero_optimization": {
+        "stage": 2, "cpu_offload_param": True}}, unsupported=mode)
+
+
+def test_new_schema_keys_are_known():
+  with pytest.warns(UserWarning) as record:
+    cfg = zj.from_deepspeed({
+        "bf16": {"enabled": True, "immediate_grad_update": True,
+                 "check_grad_overflow": False},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {
+            "device": "cpu", "super_offload": True}}})
+  assert cfg.skip_nonfinite is False and cfg.offload_optimizer == "host"
+  text = "\n".join(str(w.message) for w in record)
+  assert "bf16.immediate_grad_update" in text and "super_offload" in text
+
+
+def test_monitors_and_switches_are_accepted_when_disabled():
+  cfg = _load({"tensorboard": {"enabled": False, "output_path": "x"},
+               "wandb": {"enabled": False}, "csv_monitor": {},
+               "comet": {"enabled": False}, "comms_logger": {
+                   "enabled": False, "verbose": True},
+               "amp": {"enabled": False, "opt_level": "O2"},
+               "flops_profiler": {"enabled": False}})
+  assert cfg.stage == 0
+  for name in ("csv_monitor", "comms_logger"):
+    with pytest.raises(ValueError, match=f"{name}.enabled to false"):
+      zj.from_deepspeed({name: {"enabled": True}})
+
+
+def test_activation_checkpointing_maps_to_remat():
+  with pytest.warns(UserWarning, match="contiguous_memory_optimization"):
+    cfg = zj.from_deepspeed({"activation_checkpointing": {
+        "partition_activations": True,
+        "contiguous_memory_optimization": True,
+        "synchronize_checkpoint_boundary": False, "number_checkpoints": 4,
+        "profile": False}})
+  assert cfg.remat == "full"
+  with pytest.raises(ValueError, match="cpu_checkpointing.*remat_names"):
+    zj.from_deepspeed({"activation_checkpointing": {
+        "cpu_checkpointing": True}}, unsupported="warn")
+  cfg = _load({"activation_checkpointing": {"cpu_checkpointing": True}},
+              remat_names=("mlp_hidden",))
+  assert cfg.remat == "offload_to_host" and cfg.remat_names == (
+      "mlp_hidden",)
+
+
+def test_logging_keys_give_their_own_reason():
+  with pytest.warns(UserWarning) as record:
+    zj.from_deepspeed({"steps_per_print": 10, "wall_clock_breakdown": True})
+  (message,) = [str(w.message) for w in record]
+  assert "JsonlLogger" in message and "Throughput" in message
+  assert "XLA" not in message
+
+
+# ------------------------------------------ keys DeepSpeed does not apply
+
+
+def _warnings(config):
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    cfg = zj.from_deepspeed(config)
+  return cfg, "\n".join(str(w.message) for w in record)
+
+
+def test_sparse_attention_is_accepted_with_the_reason():
+  # DeepSpeed's engine never reads it; model code builds the modules.
+  cfg, text = _warnings({"sparse_attention": {"mode": "fixed", "block": 16}})
+  assert cfg == zj.ZeroConfig(stage=0)
+  assert "sparse_attention" in text and "SparseSelfAttention" in text
+  assert "a JAX model implements its own attention" in text
+
+
+@pytest.mark.parametrize("key,instead", [
+    ("monitor_config", "tensorboard, wandb, csv_monitor and comet"),
+    ("comms_config", "comms_logger"), ("log", "steps_per_print")])
+def test_keys_deepspeed_does_not_read_warn_naming_what_it_reads(key,
+                                                                 instead):
+  cfg, text = _warnings({key: {"verbose": False}})
+  assert cfg == zj.ZeroConfig(stage=0)
+  assert f"{key!r} is not read by DeepSpeed either" in text
+  assert instead in text and "logs nothing" not in text
+
+
+def test_an_enabled_section_deepspeed_does_not_read_logs_nothing():
+  _, text = _warnings({"monitor_config": {"enabled": True, "csv_monitor": {
+      "enabled": False}}})
+  assert "\"enabled\": true logs nothing" in text
+
+
+def test_other_unknown_top_level_keys_stay_errors():
+  with pytest.raises(ValueError, match="monitor_cfg: not a DeepSpeed key"):
+    zj.from_deepspeed({"monitor_cfg": {}})
+
+
+# ------------------------------------------------------------- Apex AMP
+
+
+@pytest.mark.parametrize("level", [None, "O1", "O2", "o2"])
+def test_amp_o1_o2_read_as_float16_with_apex_dynamic_scaling(level):
+  amp = {"enabled": True} if level is None else {"enabled": True,
+                                                 "opt_level": level}
+  cfg, text = _warnings({"amp": amp})
+  assert cfg.compute_dtype == "float16" and cfg.dynamic_loss_scale
+  # Apex's LossScaler: 2**16, doubled after 2000 clean steps, halved on
+  # every overflow.
+  assert (cfg.initial_scale_power, cfg.loss_scale_window,
+          cfg.hysteresis) == (16, 2000, 1)
+  assert "fp32 master weights, float16 compute" in text
+  assert "dynamic loss scaling" in text
+
+
+def test_amp_params_map_or_are_refused_by_name():
+  cfg, _ = _warnings({"amp": {"enabled": True, "loss_scale": 128,
+                              "keep_batchnorm_fp32": None, "verbosity": 0,
+                              "num_losses": 1, "master_weights": True}})
+  assert cfg.compute_dtype == "float16" and cfg.loss_scale == 128
+  cfg, _ = _warnings({"amp": {"enabled": True, "loss_scale": "dynamic",
+                              "min_loss_scale": 0.5}})
+  assert cfg.dynamic_loss_scale and cfg.min_loss_scale == 0.5
+  for key, value in (("num_losses", 2), ("master_weights", False),
+                     ("max_loss_scale", 1024.0),
+                     ("patch_torch_functions", True)):
+    with pytest.raises(ValueError, match=re.escape(f"amp.{key}")):
+      zj.from_deepspeed({"amp": {"enabled": True, key: value}})
+
+
+def test_amp_o0_is_float32_and_disabled_amp_reads_nothing():
+  cfg, text = _warnings({"amp": {"enabled": True, "opt_level": "O0"}})
+  assert cfg.compute_dtype is None and "O0" in text and "float32" in text
+  cfg, _ = _warnings({"amp": {"enabled": False, "opt_level": "O3",
+                              "anything": 1}})
+  assert cfg == zj.ZeroConfig(stage=0)
+
+
+@pytest.mark.parametrize("other,named", [
+    ({"fp16": {"enabled": True}}, "fp16.enabled"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled"),
+    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage")])
+def test_amp_with_fp16_bf16_or_zero_is_an_error_as_in_deepspeed(other,
+                                                                 named):
+  with pytest.raises(ValueError, match=re.escape(named)) as info:
+    zj.from_deepspeed({"amp": {"enabled": True}, **other})
+  assert "'amp.enabled'" in str(info.value)
+  assert "set fp16.enabled to true" in str(info.value)

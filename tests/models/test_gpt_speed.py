@@ -1,6 +1,7 @@
 """The reference GPT's speed features: cuDNN attention where the step is
 compiled for an NVIDIA GPU (CPU programs unchanged) and the chunked loss."""
 
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,8 @@ from flax import nnx
 
 import zero_jax as zj
 from tests import _models as m
-from tests._gpu import compiles_for_gpus
+from tests._gpu import AVAILABLE, compiles_for_gpus
+from zero_jax import _compat
 from zero_jax import analysis
 from zero_jax.analysis import compile_gpt
 from zero_jax.analysis import compiled_memory
@@ -33,6 +35,42 @@ def test_default_attention_is_unchanged_on_cpu(dtype):
   assert GPTConfig().attention == "auto"
   np.testing.assert_array_equal(_forward("auto", dtype),
                                 _forward("einsum", dtype))
+
+
+def _no_cudnn(monkeypatch):
+  """As on a plain `pip install jax` (no CUDA plugin): cuDNN is not
+  detected, and tracing cuDNN's attention raises as JAX does there."""
+  real = jax.nn.dot_product_attention
+
+  def attention(*args, implementation=None, **kwargs):
+    if implementation == "cudnn":
+      raise RuntimeError("cuDNN is not detected.")
+    return real(*args, implementation=implementation, **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", attention)
+  monkeypatch.setattr(_compat, "cudnn_detected", lambda: False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_without_cudnn_auto_attention_never_traces_cudnn(monkeypatch, dtype):
+  einsum = _forward("einsum", dtype)
+  _no_cudnn(monkeypatch)
+  np.testing.assert_array_equal(_forward("auto", dtype), einsum)
+
+
+def test_cudnn_attention_without_cudnn_names_the_fix(monkeypatch):
+  _no_cudnn(monkeypatch)
+  with pytest.raises(RuntimeError, match="attention='cudnn' needs cuDNN.*"
+                     "jax\\[cuda12\\].*attention='auto'"):
+    _forward("cudnn", jnp.bfloat16)
+
+
+def test_cudnn_detected_reads_jaxs_cuda_versions(monkeypatch):
+  # True exactly where the CUDA plugin is installed; read from JAX's
+  # cuda_versions, not from the fallback (the plugin's module), which is
+  # hidden here.
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  assert _compat.cudnn_detected() is AVAILABLE
 
 
 @compiles_for_gpus

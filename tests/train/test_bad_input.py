@@ -150,3 +150,58 @@ def test_each_step_reports_progress_to_the_launchers_watchdog(
     remove()
   assert len(calls) == 3
   assert beat.stat().st_mtime_ns > 0
+
+
+# ------------------------------------------- batches on any device
+
+
+def _on(batch, devices):
+  """``batch`` as jax.Arrays committed to ``devices`` (replicated)."""
+  sharding = jax.sharding.NamedSharding(
+      jax.sharding.Mesh(np.array(devices), ("d",)),
+      jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
+
+
+@pytest.mark.parametrize("first,last,mesh_devices", [
+    (0, 1, 8),  # a data loader's default device
+    (4, 8, 8),  # part of the mesh, replicated
+    (4, 5, 4),  # a device outside the (first 4 devices') mesh
+])
+def test_a_batch_committed_to_other_devices_is_placed_on_the_mesh(
+    first, last, mesh_devices):
+  devices = lambda: jax.devices()[first:last]
+  batches = m.mlp_batches(2)
+  engine = _engine(devices=mesh_devices)
+  state = engine.init(m.mlp_params())
+  got = []
+  for batch in batches:
+    state, metrics = engine.step(state, _on(batch, devices()))
+    got.append(float(metrics["loss"]))
+  # The same steps as from host (numpy) batches.
+  engine = _engine(devices=mesh_devices)
+  state = engine.init(m.mlp_params())
+  for batch, loss in zip(batches, got):
+    state, metrics = engine.step(state, batch)
+    assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-6)
+
+
+def test_a_batch_laid_out_as_the_step_takes_it_is_not_copied():
+  engine = _engine()
+  batch = engine.shard_batch(m.mlp_batches(1)[0])
+  for x in jax.tree.leaves(batch):
+    assert x.sharding.is_equivalent_to(engine.batch_sharding, x.ndim)
+  placed = engine.shard_batch(batch)
+  for x, y in zip(jax.tree.leaves(placed), jax.tree.leaves(batch)):
+    assert x is y
+
+
+def test_in_several_processes_a_local_jax_array_batch_names_local_batch():
+  # (Built by the function the engine raises with when
+  # jax.process_count() > 1 and a leaf is on this process's devices only.)
+  engine = _engine()
+  x = jax.device_put(np.ones((64, 16), np.float32), jax.devices()[0])
+  message = engine.batch.foreign_batch_error("['x']", x.sharding, 2)
+  assert "zero_jax.distributed.local_batch" in message
+  assert "['x']" in message and "2 processes" in message
+  assert "engine.batch_sharding" in message

@@ -26,10 +26,13 @@ def export_params(engine: Engine, state: TrainState,
   """Writes the parameters alone as a plain orbax checkpoint.
 
   The checkpoint holds one whole array per parameter, in the tree given to
-  ``Engine.init``: plain JAX/Flax code loads it with
-  ``orbax.checkpoint.StandardCheckpointer().restore(directory)`` (add a
-  target to place it on any devices). Each process writes only the shards
-  its devices hold, so no host ever holds the whole model.
+  ``Engine.init``, and no record of this engine's devices: plain JAX/Flax
+  code loads it on any device count with
+  ``orbax.checkpoint.StandardCheckpointer().restore(os.path.abspath(
+  directory))`` (whole numpy arrays; orbax takes only absolute paths), or
+  with a target of ``jax.ShapeDtypeStruct`` leaves carrying shardings to
+  place each leaf on its devices. Each process writes only the shards its
+  devices hold, so no host ever holds the whole model.
 
   Args:
     engine: the engine ``state`` belongs to.
@@ -51,10 +54,8 @@ def export_params(engine: Engine, state: TrainState,
     out.append(_cast(jax.device_put(x, sh),
                      jnp.dtype(dt if dtype is None else dtype)))
   tree = jax.tree.unflatten(jax.tree.structure(state.params), out)
-  ckptr = ocp.StandardCheckpointer()
-  ckptr.save(directory, tree)
-  ckptr.wait_until_finished()
-  ckptr.close()
+  with _unpinned_checkpointer() as ckptr:
+    ckptr.save(directory, args=ocp.args.PyTreeSave(tree))
 
 
 def load_params(directory: str | os.PathLike, engine: Engine,
@@ -97,6 +98,23 @@ def load_params(directory: str | os.PathLike, engine: Engine,
   check_matches(target, stored, "params", f"{directory!r}", {},
                 check_dtype=False)
   return ckptr.restore(directory, target)
+
+
+def _unpinned_checkpointer() -> ocp.Checkpointer:
+  """A checkpointer whose arrays record no sharding.
+
+  orbax's default records each array's sharding (the ``_sharding`` file),
+  and a restore without a target rebuilds it: on other devices that is
+  ``ValueError: Topology mismatch detected``. Without the record, plain
+  ``StandardCheckpointer().restore`` returns whole host arrays anywhere,
+  and a target's shardings place them; the format is otherwise the
+  standard one.
+  """
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (jax.Array,
+       ocp.type_handlers.ArrayHandler(enable_write_sharding_file=False)))
+  return ocp.Checkpointer(
+      ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
 
 
 # One leaf at a time, cast shard by shard on the devices that hold it.

@@ -2,26 +2,42 @@
 
 ``ZeroConfig`` is a frozen dataclass, checked field by field when it is
 made; ``from_deepspeed`` translates a DeepSpeed config into one, refusing by
-name every key it cannot honour. Nothing here touches devices.
+name every key it cannot honour, and ``read_deepspeed`` also returns its
+optimizer and scheduler sections, which ``optimizer_from_deepspeed`` turns
+into an optax transformation. Nothing here touches devices.
 """
 
 from zero_jax.config._config import STAGES, ZeroConfig
-from zero_jax.config._deepspeed import (MAPPING, DeepSpeedKey,
-                                        from_deepspeed,
-                                        mapping_table_markdown)
+from zero_jax.config._deepspeed import (DeepSpeedConfig, from_deepspeed,
+                                        read_deepspeed)
+from zero_jax.config._ds_auto import AUTO_KEYWORDS
+from zero_jax.config._ds_mapping import (MAPPING, DeepSpeedKey,
+                                         key_list_markdown,
+                                         mapping_table_markdown)
+from zero_jax.config._ds_optim import (OPTIMIZERS, SCHEDULERS,
+                                       optimizer_from_deepspeed,
+                                       schedule_from_deepspeed)
 from zero_jax.config._remat import (AUTO_CANDIDATES, NAMED_POLICIES,
                                     REMAT_POLICIES, RematPolicy, check_remat)
 
 __all__ = [
     "AUTO_CANDIDATES",
+    "AUTO_KEYWORDS",
+    "DeepSpeedConfig",
     "DeepSpeedKey",
     "MAPPING",
     "NAMED_POLICIES",
+    "OPTIMIZERS",
     "REMAT_POLICIES",
     "RematPolicy",
+    "SCHEDULERS",
     "STAGES",
     "ZeroConfig",
     "check_remat",
     "from_deepspeed",
+    "key_list_markdown",
     "mapping_table_markdown",
+    "optimizer_from_deepspeed",
+    "read_deepspeed",
+    "schedule_from_deepspeed",
 ]

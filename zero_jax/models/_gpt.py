@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zero_jax import _compat
 from zero_jax._compat import varying_axes
 from zero_jax.config import REMAT_POLICIES
 from zero_jax.layers import checkpoint_name, scan_layers
@@ -62,7 +63,9 @@ class GPTConfig:
     attention: ``"auto"`` (the default: cuDNN's flash attention where the
       step is compiled for an NVIDIA GPU and cuDNN takes the shape, bf16 or
       fp16 heads of at most 128 features in multiples of 8; ``"einsum"``
-      everywhere else, so CPU programs are unchanged), ``"einsum"``
+      everywhere else, so CPU programs are unchanged; without JAX's CUDA
+      plugin, which no GPU program can be compiled without, the einsum is
+      all that is traced), ``"einsum"``
       (explicit scores and float32 softmax, the reference), ``"fused"``
       (``jax.nn.dot_product_attention``, XLA's choice of implementation) or
       ``"cudnn"`` (cuDNN's always: GPU only).
@@ -173,8 +176,17 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
   cudnn = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="cudnn")
   if attention == "cudnn":
+    if not _compat.cudnn_detected():
+      raise RuntimeError(
+          "GPTConfig.attention='cudnn' needs cuDNN, which this JAX does "
+          "not detect (JAX's CUDA plugin is not installed): install "
+          "jax[cuda12] on a Linux machine, or use attention='auto', which "
+          "takes cuDNN only in programs for NVIDIA GPUs")
     return cudnn(q, k, v)
-  if not cudnn_supported(q):
+  # Without the CUDA plugin no program here is for an NVIDIA GPU, and
+  # tracing the cuDNN branch below would raise (cuDNN is not detected):
+  # the einsum alone.
+  if not cudnn_supported(q) or not _compat.cudnn_detected():
     return _einsum_attention(q, k, v)
   # Chosen when the program is lowered: cuDNN in a program for an NVIDIA
   # GPU (a compile-only one too), the einsum in any other.

@@ -3,11 +3,13 @@
 The engine lays out the state for the parameters it is given, builds the
 first state, and runs one jitted, donating step: loss and gradients inside
 ``shard_map`` (reduced into the ZeRO layout), then the optimizer update on
-the sharded arrays.
+the sharded arrays. ``initialize`` builds the engine and its first state
+from a DeepSpeed config, as ``deepspeed.initialize`` does.
 """
 
 from zero_jax.train._engine import Engine
 from zero_jax.train._grads import Loss
+from zero_jax.train._from_config import initialize
 from zero_jax.train._layout import BatchLayout, Layout
 from zero_jax.train._loss_scale import LossScaleState
 from zero_jax.train._runner import StepFunction
@@ -28,6 +30,7 @@ __all__ = [
     "Streamed",
     "TrainState",
     "UpdateStrategy",
+    "initialize",
     "jit_step",
     "train_step",
 ]

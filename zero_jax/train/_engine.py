@@ -242,20 +242,29 @@ class Engine:
   def shard_batch(self, batch: Any) -> Any:
     """Places a batch on the mesh, split over ``data`` on the leading dim.
 
-    ``jax.Array`` leaves are taken as global arrays. Host (numpy) leaves are
-    this process's slice of the global batch (in a single-process run: the
-    whole batch).
+    ``jax.Array`` leaves are taken as global arrays: kept where they are
+    already laid out as ``batch_sharding``, else copied there (from one
+    device, as a data loader commits them, or from devices outside the
+    mesh). Host (numpy) leaves are this process's slice of the global batch
+    (in a single-process run: the whole batch).
+
+    Raises:
+      ValueError: in a multi-process run, a ``jax.Array`` leaf is on this
+        process's devices only; the message names
+        ``zero_jax.distributed.local_batch``.
     """
     nproc = jax.process_count()
 
-    def place(x):
-      if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+    def place(path, x):
+      if isinstance(x, jax.ShapeDtypeStruct):
         return x  # (shapes: for lowering)
+      if isinstance(x, jax.Array):
+        return self.batch.place(x, jax.tree_util.keystr(path) or "batch")
       x = np.asarray(x)
       self.batch.check(x.shape, nproc * x.shape[0] if x.ndim else None)
       return jax.make_array_from_process_local_data(self.batch.sharding, x)
 
-    return jax.tree.map(place, batch)
+    return jax.tree_util.tree_map_with_path(place, batch)
 
   def describe(self) -> str:
     """A table of every parameter: shape, and where it lives per device."""

@@ -94,6 +94,45 @@ class BatchLayout:
           f"{max(1, global_size // n) * n}).")
 
 
+  def place(self, x: jax.Array, path: str) -> jax.Array:
+    """A global ``jax.Array`` batch leaf laid out as the step takes it:
+    itself where it already is, else copied there (e.g. from the one device
+    a data loader committed it to, or from devices outside the mesh).
+
+    Args:
+      x: the leaf.
+      path: its key path, for the error.
+
+    Raises:
+      ValueError: in a multi-process run, ``x`` lives on this process's
+        devices only (its rows alone, or a copy per process), which no copy
+        can turn into the global batch.
+    """
+    if x.sharding.is_equivalent_to(self.sharding, x.ndim):
+      return x  # (the common case: no copy)
+    nproc = jax.process_count()
+    if nproc > 1 and x.is_fully_addressable:
+      raise ValueError(self.foreign_batch_error(path, x.sharding, nproc))
+    # Checked before the copy: device_put's own error would name tiling
+    # factors, not the batch sizes.
+    self.check(x.shape, x.shape[0] if x.ndim else None)
+    return jax.device_put(x, self.sharding)
+
+  def foreign_batch_error(self, path: str, sharding: Any, nproc: int) -> str:
+    """The message for a batch leaf at ``path`` that is a ``jax.Array`` on
+    one process's devices only (``sharding``) in a run of ``nproc``
+    processes."""
+    return (
+        f"batch leaf {path} is a jax.Array on this process's devices only "
+        f"({sharding}), but this run has {nproc} processes and the step "
+        f"takes the global batch split over all of them. Pass host (numpy) "
+        f"arrays of this process's rows instead: "
+        f"engine.step(state, zero_jax.distributed.local_batch(batch, "
+        f"mesh)) with the same global batch in every process; or a global "
+        f"jax.Array laid out as engine.batch_sharding "
+        f"({self.sharding.spec}).")
+
+
 def check_mesh(mesh: Mesh) -> None:
   """Raises unless ``mesh`` has a ``data`` axis and no axis the engine does
   not use (its devices would silently repeat the same work)."""
