@@ -1,7 +1,7 @@
 """``initialize``: DeepSpeed's ``deepspeed.initialize`` for zero_jax.
 
 One call from a DeepSpeed config (a path, a dict, or a ``ZeroConfig``) to a
-trained-ready engine and its first state: the config is read with
+training-ready engine and its first state: the config is read with
 ``zero_jax.config.read_deepspeed`` (HuggingFace's ``"auto"`` filled in from
 the keywords the Trainer would fill it from), the optax transformation is
 built from its ``optimizer`` and ``scheduler`` sections unless one is
