@@ -1028,3 +1028,10 @@ def test_weight_decay_needs_params():
     lamb = optimizer_from_deepspeed({"type": "Lamb"}, None)
   with pytest.raises(ValueError, match="Lamb's update needs the parameters"):
     lamb.update(params, lamb.init(params))
+
+
+def test_auto_is_refused_however_it_is_spelled():
+  # The reader takes " Auto " as "auto"; so does the optimizer's check.
+  with pytest.raises(ValueError, match=r"'optimizer\.params\.lr' is \"auto\""):
+    optimizer_from_deepspeed(
+        {"type": "AdamW", "params": {"lr": " Auto "}}, None)

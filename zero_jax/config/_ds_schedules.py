@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax._checks import check_bool, check_float, check_int, fail
-from zero_jax.config._ds_keys import key_name
+from zero_jax.config._ds_keys import is_auto, key_name
 from zero_jax.config._ds_transforms import as_real
 
 # DeepSpeed's ``lr_schedules`` classes, spelled as DeepSpeed spells them.
@@ -48,7 +48,7 @@ def no_auto(path: str, value: Any) -> Any:
   Raises:
     ValueError: naming the dotted key of the ``"auto"``.
   """
-  if isinstance(value, str) and value == "auto":
+  if is_auto(value):  # (as the reader spells it: any case, spaces)
     raise auto_error(path)
   if isinstance(value, (list, tuple)):
     for i, item in enumerate(value):
