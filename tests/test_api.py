@@ -176,8 +176,10 @@ def test_the_top_level_api_is_the_curated_list_and_nothing_else():
   # Internals live in their subpackage (zero_jax.layout.Plan, ...); the top
   # level names what most scripts need.
   assert zj.__all__ == [
+      "CheckpointConflictError", "CheckpointCorruptError",
       "CheckpointWriteError", "Checkpointer", "Engine", "Layout",
-      "LossScaleState", "REMAT_POLICIES", "RematPolicy", "TrainState",
+      "LossScaleState", "REMAT_POLICIES", "RematPolicy", "StepFailedError",
+      "TrainState",
       "ZeroConfig", "analysis", "checkpoint_name", "distributed",
       "estimate_activations", "estimate_comm", "estimate_memory",
       "export_params", "from_deepspeed", "initialize", "layer",

@@ -27,7 +27,8 @@ _SCRIPT_DIRS = ("experiments",)
 _LAYERS = ("config", "layout", "materialize", "layers", "offload", "train",
            "checkpoint", "distributed", "analysis", "metrics", "models")
 # The top level's private helpers, shared by every subpackage.
-_HELPERS = ("_checks", "_compat", "_devices", "_heartbeat", "_paths")
+_HELPERS = ("_agreement", "_checks", "_compat", "_devices", "_heartbeat",
+            "_last_checkpoint", "_paths")
 # Private attributes of other objects that the package may read, and where:
 # Python's own (os._exit is the documented exit without cleanup), and the
 # internals of JAX and orbax, each confined to one module that a test ties

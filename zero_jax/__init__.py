@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 # Public name -> the subpackage that defines it.
 _NAMES = {
+    "CheckpointConflictError": "checkpoint",
+    "CheckpointCorruptError": "checkpoint",
     "CheckpointWriteError": "checkpoint",
     "Checkpointer": "checkpoint",
     "Engine": "train",
@@ -38,6 +40,7 @@ _NAMES = {
     "LossScaleState": "train",
     "REMAT_POLICIES": "config",
     "RematPolicy": "config",
+    "StepFailedError": "train",
     "TrainState": "train",
     "ZeroConfig": "config",
     "checkpoint_name": "layers",
@@ -82,12 +85,14 @@ if TYPE_CHECKING:  # (what the names are, for type checkers and IDEs)
                         layout, materialize, metrics, models, offload, train)
   from zero_jax.analysis import (estimate_activations, estimate_comm,
                                  estimate_memory)
-  from zero_jax.checkpoint import (CheckpointWriteError, Checkpointer,
+  from zero_jax.checkpoint import (CheckpointConflictError,
+                                   CheckpointCorruptError,
+                                   CheckpointWriteError, Checkpointer,
                                    export_params, load_params)
   from zero_jax.config import (REMAT_POLICIES, RematPolicy, ZeroConfig,
                                from_deepspeed)
   from zero_jax.layers import (checkpoint_name, layer, scan_layers,
                                scan_linen, scan_nnx)
   from zero_jax.layout import make_mesh, simulate_cpu_devices
-  from zero_jax.train import (Engine, Layout, LossScaleState, TrainState,
-                              initialize)
+  from zero_jax.train import (Engine, Layout, LossScaleState,
+                              StepFailedError, TrainState, initialize)

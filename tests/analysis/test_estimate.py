@@ -348,12 +348,38 @@ def test_cli_activations_and_mixed_precision(capsys):
     (["--params", "1e9", "--devices", "8", "--layers", "4"],
      "missing --hidden --seq-len --micro-batch --heads"),
     (["--devices", "8"], "--params"),
+    # Shapes that cannot exist: heads must divide the width.
+    (["--params", "1e9", "--devices", "8", "--layers", "2", "--hidden", "7",
+      "--heads", "2", "--seq-len", "16", "--micro-batch", "1"],
+     "--hidden 7 is not divisible by --heads 2"),
+    # Results beyond any 64-bit machine (finite, but 3.7e13 GiB of
+    # activations, or 1.5e292 GiB of model states): a slip in the sizes.
+    (["--params", "1B", "--devices", "8", "--stage", "3", "--layers",
+      "100000", "--hidden", "1000000", "--heads", "8", "--seq-len",
+      "1000000", "--micro-batch", "100000"],
+     "--layers 100000 --hidden 1000000 --seq-len 1000000 --micro-batch "
+     "100000 --heads 8 give 4e+22 bytes of activations per device"),
+    (["--params", "1e300", "--devices", "8"],
+     "--params 1e+300 with --k 8 gives 1.6e+301 bytes of memory per "
+     "device at stage 0"),
+    (["--params", "2e18", "--devices", "64", "--stage", "3"],
+     "--params 2e+18 with --k 8 gives 2.4e+19 bytes of communication per "
+     "step"),
+    (["--params", "1e9", "--devices", "8", "--layers", "1", "--hidden",
+      "1" + "0" * 400, "--heads", "1", "--seq-len", "1", "--micro-batch",
+      "1"], "int too large to convert to float; check these sizes"),
 ])
 def test_cli_rejects_bad_input(capsys, argv, message):
   with pytest.raises(SystemExit) as e:
     main(argv)
   assert e.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_cli_takes_sizes_a_64_bit_machine_can_hold(capsys):
+  # 1e18 parameters: 1.6e19 bytes of plain data parallelism, below 2^64.
+  assert main(["--params", "1e18", "--devices", "8", "--stage", "0"]) == 0
+  assert "stage 0:" in capsys.readouterr().out
 
 
 def test_cli_as_a_module():

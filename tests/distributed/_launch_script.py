@@ -8,6 +8,8 @@ Usage, from the repository root::
   ... tests/distributed/_launch_script.py loop OUT_DIR
   # process 1 raises at once:
   ... tests/distributed/_launch_script.py raise
+  # two steps, then process 1 feeds 4 rows at the third, process 0 8:
+  ... tests/distributed/_launch_script.py rows
 
 ``train`` trains the MLP of tests/_models.py for 5 steps at every ZeRO stage,
 and at stage 3 on a 2-D mesh whose replica groups are the two processes (one
@@ -44,11 +46,14 @@ import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
 from tests import _models as m  # noqa: E402
+from zero_jax import _agreement  # noqa: E402
 
 # name: (stage, replica groups).
 RUNS = {"s0": (0, 1), "s1": (1, 1), "s2": (2, 1), "s3": (3, 1),
         "r2s3": (3, 2)}
 STEPS = 5
+# Rounds of the batch check alone that "rows" times.
+CHECK_ROUNDS = 200
 
 
 def make_engine(stage: int, replica: int = 1) -> zj.Engine:
@@ -125,6 +130,32 @@ def fail() -> None:
   time.sleep(120)
 
 
+def rows() -> None:
+  """Two steps on each process's rows of the same global batches; the time
+  of the batch check alone (what every step adds); then a last step where
+  process 1 feeds 4 rows and process 0 8, which both must refuse."""
+  engine = make_engine(3)
+  state = engine.init(m.mlp_params())
+  batches = [distributed.local_batch(b, engine.mesh)
+             for b in m.mlp_batches(3, batch=16)]
+  for batch in batches[:2]:
+    state, metrics = engine.step(state, batch)
+  print(f"process {jax.process_index()} took 2 steps, loss "
+        f"{float(metrics['loss']):.4f}", flush=True)
+  t0 = time.perf_counter()
+  for _ in range(CHECK_ROUNDS):
+    _agreement.check_batch(batches[0], jax.process_count())
+  per_round = (time.perf_counter() - t0) / CHECK_ROUNDS
+  print(f"process {jax.process_index()}: the batch check costs "
+        f"{per_round * 1e3:.2f} ms per step", flush=True)
+  last = batches[2]
+  if jax.process_index() == 1:
+    last = {k: v[:4] for k, v in last.items()}
+  engine.step(state, last)
+  print(f"process {jax.process_index()} trained on disagreeing batches",
+        flush=True)
+
+
 if __name__ == "__main__":
   mode = sys.argv[1]
   if mode == "train":
@@ -133,5 +164,7 @@ if __name__ == "__main__":
     loop(sys.argv[2])
   elif mode == "raise":
     fail()
+  elif mode == "rows":
+    rows()
   else:
     raise SystemExit(f"unknown mode {mode!r}")

@@ -22,6 +22,7 @@ from tests import _models as m
 from zero_jax.distributed import _runtime as distributed
 from zero_jax.distributed import _failfast as failfast
 from zero_jax.distributed import _launcher as launch
+from zero_jax.distributed import _spawn as spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -366,13 +367,13 @@ def test_two_processes_match_one_at_every_stage(tmp_path):
 def _start_pair(mode, out_dir):
   """Two processes of _launch_script.py, started directly (no launcher, so
   that nothing but JAX and zero_jax stops them)."""
-  port = launch._free_port()
+  port = spawn.free_port()
   procs = []
   for i in range(2):
     log = open(out_dir / f"log{i}.txt", "w")
     procs.append(subprocess.Popen(
         [sys.executable, SCRIPT, mode, str(out_dir)], cwd=ROOT,
-        env=launch._child_env(os.environ, i, 2, port, 4),
+        env=spawn.child_env(os.environ, i, 2, port, 4),
         stdout=log, stderr=subprocess.STDOUT))
     log.close()
   return procs

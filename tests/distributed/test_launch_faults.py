@@ -23,6 +23,7 @@ from zero_jax import _heartbeat
 from zero_jax import distributed
 from zero_jax.distributed import _failfast as failfast
 from zero_jax.distributed import _launcher as launch
+from zero_jax.distributed import _spawn as spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -130,7 +131,7 @@ def test_watchdog_spares_a_process_without_the_stack_dump(capfd):
       signal.signal(signal.SIGTERM, on_term)
       time.sleep(60)
       """)]
-  launcher = launch._Launcher(command, 1, None, launch._free_port(), 30.0,
+  launcher = launch._Launcher(command, 1, None, spawn.free_port(), 30.0,
                               watchdog=1.0)
   assert launcher.run() == launch.WATCHDOG_EXIT_CODE
   out, err = capfd.readouterr()
@@ -160,6 +161,49 @@ def test_launcher_argument_errors(capsys):
   with pytest.raises(SystemExit):
     launch.main(["--nproc", "1", "--failure-grace-period", "-1", "x.py"])
   assert "--failure-grace-period must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    # float() takes these: a NaN grace period compares false with every
+    # time, so the launcher would never kill.
+    (["--grace-period", "nan"],
+     "--grace-period must be a finite number of seconds, got nan"),
+    (["--grace-period", "inf"],
+     "--grace-period must be a finite number of seconds, got inf"),
+    (["--grace-period", "-1"], "--grace-period must be >= 0, got -1"),
+    (["--failure-grace-period", "nan"],
+     "--failure-grace-period must be a finite number of seconds, got nan"),
+    (["--failure-grace-period=-inf"],
+     "--failure-grace-period must be a finite number of seconds, got -inf"),
+    (["--watchdog", "nan"],
+     "--watchdog must be a finite number of seconds, got nan; leave it out "
+     "to turn the watchdog off"),
+    (["--watchdog", "inf"],
+     "--watchdog must be a finite number of seconds, got inf"),
+    (["--watchdog=-5"], "--watchdog must be > 0 (seconds without a training "
+     "step), got -5"),
+    (["--port", "70000"], "--port must be a TCP port, 1 to 65535"),
+    (["--port=-1"], "--port must be a TCP port, 1 to 65535"),
+    (["--devices-per-proc", "0"], "--devices-per-proc must be >= 1, got 0"),
+])
+def test_launcher_refuses_numbers_it_cannot_act_on(capsys, argv, message):
+  with pytest.raises(SystemExit) as e:
+    launch.main(["--nproc", "2", *argv, "x.py"])
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_processes_that_fail_together_fail_the_job(capfd):
+  """Both processes exit 3 at the same moment, within one of the
+  launcher's looks (every 50 ms): the job still fails with code 3."""
+  at = time.time() + 1.5  # (after both have started)
+  command = [sys.executable, "-c", "import sys, time; "
+             "time.sleep(max(0.0, float(sys.argv[1]) - time.time())); "
+             "sys.exit(3)", repr(at)]
+  launcher = launch._Launcher(command, 2, None, spawn.free_port(), 30.0)
+  assert launcher.run() == 3
+  assert sorted(launcher.exits) == [(0, 3), (1, 3)]
+  capfd.readouterr()
 
 
 def test_failure_grace_period_defaults_to_at_most_the_grace_period():
@@ -193,12 +237,12 @@ def test_the_runner_registers_the_stack_dump_and_creates_the_heartbeat(
 
   def run(**extra: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-c", launch._RUNNER, "--", str(script)],
+        [sys.executable, "-c", spawn.RUNNER, "--", str(script)],
         env={**env, **extra}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
-  assert launch.STACK_DUMP_SIGNAL == signal.SIGUSR1
+  assert spawn.STACK_DUMP_SIGNAL == signal.SIGUSR1
   assert run(ZERO_JAX_HEARTBEAT_FILE=str(path)) == "0 True []"
   os.utime(path, ns=(1, 1))  # (a step)
   assert run(ZERO_JAX_HEARTBEAT_FILE=str(path)) == "1 True []"
@@ -353,6 +397,39 @@ def test_fail_fast_sees_sys_exit():
   assert guard.exit_requested == 4
   failfast.main_exited(5)  # (and the runner's report goes nowhere)
   assert guard.exit_requested == 4
+
+
+def test_fail_fast_starts_no_thread_at_exit(monkeypatch):
+  """A sys.exit(3) is published by fail-fast's atexit handler, where Python
+  3.12 refuses to start a thread ("can't create new thread at interpreter
+  shutdown"; the job hung there): the watchdog thread, started when
+  fail-fast was armed, takes the error to the coordinator, and the process
+  exits with code 3. (Thread.start refuses here on every Python.)"""
+  client = _FakeClient()
+  monkeypatch.setattr(failfast, "_client", lambda: client)
+  guard = failfast._FailFast(client, process_id=1)
+  guard.start()
+  exits = []
+  try:
+    with pytest.raises(SystemExit):
+      sys.exit(3)
+
+    def refuse(self):
+      raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(failfast.os, "_exit", exits.append)
+    t0 = time.monotonic()
+    guard._at_exit()
+    elapsed = time.monotonic() - t0
+  finally:
+    monkeypatch.undo()
+    guard.stop()
+  assert exits == [3]
+  assert failfast._parse_abort(client.store["zero_jax/abort"]) == (
+      3, "process 1 exited with code 3 (SystemExit)")
+  assert elapsed < failfast._PUBLISH_SECONDS  # (published, not timed out)
+  assert not guard._thread.is_alive()
 
 
 def test_fail_fast_publishes_the_exit_code():

@@ -54,6 +54,9 @@ _STAGE_NAMES = {
     3: "optimizer state, gradients and parameters sharded",
 }
 _SHAPE_ARGS = ("layers", "hidden", "seq_len", "micro_batch", "heads")
+# The largest byte count an estimate may reach: no 64-bit device or host
+# addresses more (16 EiB), so sizes beyond it are a slip, not a machine.
+_MAX_BYTES = 2.0 ** 64
 
 
 def parse_count(text: str) -> float:
@@ -265,18 +268,25 @@ def _compiled_report(args: argparse.Namespace, stage: int) -> list[str]:
           f"  compiled collectives per step: {ops}"]
 
 
+def _activations(args: argparse.Namespace) -> float | None:
+  """The analytic activation bytes per device, or None (no shape given, or
+  a remat policy the estimate does not know)."""
+  if args.layers is None or args.remat not in ("full", "none"):
+    return None
+  return memory.estimate_activations(
+      layers=args.layers, hidden=args.hidden, seq_len=args.seq_len,
+      micro_batch=args.micro_batch, heads=args.heads,
+      vocab=args.vocab or 0,
+      bytes_per_element=2 if _COMPUTE_DTYPES[args.compute_dtype] else 4,
+      remat=args.remat)
+
+
 def report(args: argparse.Namespace) -> str:
   """The text ``main`` prints for parsed arguments."""
   compute = _COMPUTE_DTYPES[args.compute_dtype]
   k = memory.optimizer_state_bytes(args.optimizer, args.k)
   n = args.devices // args.replica
-  activations = None
-  if args.layers is not None and args.remat in ("full", "none"):
-    activations = memory.estimate_activations(
-        layers=args.layers, hidden=args.hidden, seq_len=args.seq_len,
-        micro_batch=args.micro_batch, heads=args.heads,
-        vocab=args.vocab or 0, bytes_per_element=2 if compute else 4,
-        remat=args.remat)
+  activations = _activations(args)
   opt = f"K = {k:g}" if args.k is not None else f"{args.optimizer}, K = {k:g}"
   precision = (f"{args.compute_dtype} compute, fp32 master" if compute else
                "fp32 training")
@@ -337,6 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error("the activation estimate needs all of --layers --hidden "
                  "--seq-len --micro-batch --heads; missing "
                  + " ".join(missing))
+  if given and args.hidden % args.heads:
+    parser.error(f"--hidden {args.hidden} is not divisible by --heads "
+                 f"{args.heads}: each head takes hidden / heads of the "
+                 "model's width; give a --heads that divides --hidden")
   _check_config(parser, args)
   if args.compile is not None:
     _check_compile(parser, args)
@@ -383,19 +397,50 @@ def _check_config(parser: argparse.ArgumentParser,
 
 def _check_estimate(parser: argparse.ArgumentParser,
                     args: argparse.Namespace) -> None:
-  """Rejects sizes whose bytes overflow (finite, but absurd: 1e308)."""
+  """Rejects sizes whose bytes overflow: not finite (1e308 parameters), or
+  beyond what a 64-bit machine addresses (``_MAX_BYTES``)."""
+  shape = " ".join(f"--{a.replace('_', '-')} {getattr(args, a)}"
+                   for a in (*_SHAPE_ARGS, "vocab")
+                   if getattr(args, a) is not None)
+  try:
+    activations = _activations(args)
+  except (ValueError, OverflowError) as e:
+    parser.error(f"{shape}: {e}; check these sizes")
+  if activations is not None and not activations < _MAX_BYTES:
+    parser.error(f"{shape} give {activations:.3g} bytes of activations per "
+                 "device, more than a 64-bit machine addresses (2^64 bytes, "
+                 "16 EiB): check these sizes")
   compute = _COMPUTE_DTYPES[args.compute_dtype]
+  k = memory.optimizer_state_bytes(args.optimizer, args.k)
   for stage in _stages(args):
     try:
-      memory.estimate_memory(args.params, args.devices, stage,
-                             optimizer=args.optimizer, k=args.k,
-                             compute_dtype=compute, replica=args.replica)
-      comm.estimate_comm(args.params, args.devices, stage,
-                         compute_dtype=compute, replica=args.replica)
+      est = memory.estimate_memory(
+          args.params, args.devices, stage, optimizer=args.optimizer,
+          k=args.k, compute_dtype=compute, replica=args.replica,
+          offload_optimizer=args.offload_optimizer,
+          offload_params=args.offload_params and stage == 3)
+      ops = comm.estimate_comm(
+          args.params, args.devices, stage, compute_dtype=compute,
+          reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
+          replica=args.replica)
+      b = 2 if compute else 4
+      paper = memory.paper_estimate(
+          args.params, args.devices // args.replica, stage, param_bytes=b,
+          grad_bytes=b, k=k + (4 if compute else 0))
     except ValueError as e:
-      parser.error(f"--params {args.params:g} with --k "
-                   f"{memory.optimizer_state_bytes(args.optimizer, args.k):g}"
-                   f": {e}")
+      parser.error(f"--params {args.params:g} with --k {k:g}: {e}")
+    figures = {
+        "memory per device": (est.model_states + (activations or 0) +
+                              est.host + est.host_grads),
+        "model states per device (the paper's)": paper.model_states,
+        "communication per step": comm.comm_volume(
+            {kind: d["bytes"] for kind, d in ops.items()})}
+    what, most = max(figures.items(), key=lambda item: item[1])
+    if not most < _MAX_BYTES:
+      parser.error(f"--params {args.params:g} with --k {k:g} gives "
+                   f"{most:.3g} bytes of {what} at stage {stage}, more "
+                   "than a 64-bit machine addresses (2^64 bytes, 16 EiB): "
+                   "check --params (7.5e9, 1.3B, 125M)")
 
 
 def _check_compile(parser: argparse.ArgumentParser,
@@ -410,9 +455,6 @@ def _check_compile(parser: argparse.ArgumentParser,
   if args.k is not None:
     parser.error("--compile trains a real optimizer: choose it with "
                  "--optimizer, not --k")
-  if args.hidden % args.heads:
-    parser.error(f"--hidden {args.hidden} is not divisible by --heads "
-                 f"{args.heads}")
   try:
     aot.gpu_devices(args.compile, 1)
   except (ImportError, RuntimeError) as e:

@@ -10,29 +10,24 @@ checkpoint saved at stage 3 on 8 devices restores at stage 1 on 4, or at
 stage 0 on one, with no conversion step. The compute-dtype copy is not
 stored: it is a cast of the master, redone on restore.
 
-    ckpt = zj.Checkpointer("ckpt", max_to_keep=3)
-    state = (ckpt.restore(engine, params) if ckpt.latest_step() is not None
-             else engine.init(params))
-    for batch in data:
-      state, metrics = engine.step(state, batch)
-      step = int(state.step)
-      if step % 100 == 0 or ckpt.reached_preemption(step):
-        ckpt.save(state)                # async: returns once copied off
-      if ckpt.reached_preemption(step):
-        break                           # SIGTERM: saved, now exit
-    ckpt.close()                        # waits for the last save
+The training loop that resumes, saves and stops on preemption is in
+docs/checkpoints.md. ``export_params`` and ``load_params`` (``_export``)
+write and read the parameters alone, as plain orbax checkpoints.
 
-``export_params`` writes the parameters alone as a plain orbax checkpoint in
-the structure given to ``Engine.init``, which Flax code loads without
-zero_jax; ``load_params`` reads such a checkpoint back, already sharded, to
-start training with a fresh optimizer (both in ``_export``;
-``zero_jax.checkpoint`` exports them beside ``Checkpointer``).
+Nothing is lost and nothing restores silently wrong: every array carries a
+checksum, verified at restore (``_integrity``); every checkpoint records
+the run that wrote it, so that a save never mixes two histories: after
+``restore(step=k)``, the first save moves the abandoned steps after k aside
+(under ``abandoned/``), and a save into a directory of another run's
+checkpoints is refused (``_lineage``).
 
-Around ``Checkpointer``: ``_matching`` checks that a checkpoint fits the
-model and optimizer before orbax reads it, ``_files`` holds what it needs
-of the file system, and ``_orbax`` ends the threads that a failed
-asynchronous save leaves waiting (the one module that reads orbax's
-internals).
+Around ``Checkpointer``: ``_stored`` says what a checkpoint holds of a
+``TrainState``, ``_reader`` reads one back and explains a corrupt one,
+``_matching`` checks that a checkpoint fits the model and optimizer before
+orbax reads it, ``_multihost`` has the processes agree around a save,
+``_errors`` holds the errors, ``_files`` what it needs of the file system,
+and ``_orbax`` ends the threads that a failed asynchronous save leaves
+waiting (the one module that reads orbax's internals).
 """
 
 from __future__ import annotations
@@ -49,31 +44,21 @@ from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
+from zero_jax import _last_checkpoint
+from zero_jax.checkpoint import _integrity, _lineage
+from zero_jax.checkpoint._errors import (CheckpointConflictError,
+                                         CheckpointWriteError)
 from zero_jax.checkpoint._files import COMMIT_FILE, check_usable, commit_time
-from zero_jax.checkpoint._matching import check_matches, outline
+from zero_jax.checkpoint._matching import outline
+from zero_jax.checkpoint._multihost import agreed, agreed_id, sync
 from zero_jax.checkpoint._orbax import (before_threads_join,
                                         current_operation_id,
                                         release_waiting_threads)
-from zero_jax.train import Engine, LossScaleState, TrainState
-
-# The parts of the TrainState a checkpoint stores (compute_params is derived).
-_STORED = ("step", "params", "opt_state", "rng")
-
-
-class CheckpointWriteError(OSError):
-  """Saving a checkpoint failed; the checkpoints committed before are intact.
-
-  Raised by ``Checkpointer.save`` when the directory cannot take the
-  checkpoint, and by the next ``save``, ``wait`` or ``close`` when an
-  asynchronous save failed in the background (a full disk, a lost
-  permission, a file system error). ``step`` and ``directory`` say which
-  save; ``__cause__`` is the error underneath.
-  """
-
-  def __init__(self, message: str, step: int, directory: str):
-    super().__init__(message)
-    self.step = step
-    self.directory = directory
+from zero_jax.checkpoint._reader import Reader
+from zero_jax.checkpoint._stored import ls_dict, stored_tree
+from zero_jax.train import Engine, TrainState
+# Where the steps a rollback abandoned go: a name no restore reads as a step.
+ABANDONED = "abandoned"
 
 
 class Checkpointer:
@@ -97,23 +82,36 @@ class Checkpointer:
       usual). Multi-process runs use JAX's preemption service instead,
       which agrees on one step for all processes.
 
+    read_only: restore only: nothing is written, created or deleted, so a
+      read-only mount works (``save`` raises). ``max_to_keep`` is ignored.
+
   Raises:
     OSError: a local ``directory`` is a file, or cannot be created or
-      written (``NotADirectoryError``, ``PermissionError``, ...); the
-      message names the path and the fix.
+      written (``NotADirectoryError``, ``PermissionError``, ...); with
+      ``read_only``, is not a readable directory. The message names the
+      path and the fix.
   """
 
   def __init__(self, directory: str | os.PathLike, *,
                max_to_keep: int | None = 3, async_save: bool = True,
-               handle_sigterm: bool = True):
+               handle_sigterm: bool = True, read_only: bool = False):
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
     self.directory = os.fspath(directory)
+    self.read_only = read_only
     self._local = "://" not in self.directory
-    if self._local:
+    if self._local and read_only:
+      if not os.path.isdir(self.directory):
+        raise FileNotFoundError(
+            f"no checkpoint directory {self.directory!r} to restore from "
+            "(read_only=True creates nothing); pass the directory the "
+            "checkpoints were saved to")
+    elif self._local:
       # Orbax would accept a file or an unwritable path here and fail only
       # in its background threads, which then keep the process alive.
       check_usable(self.directory)
+    if read_only:
+      max_to_keep = None
     self._manager = ocp.CheckpointManager(
         os.path.abspath(self.directory) if self._local else self.directory,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -121,9 +119,13 @@ class Checkpointer:
                        "meta": ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-            create=True))
+            create=not read_only, read_only=read_only))
     self._root = epath.Path(self._manager.directory)
-    self._pending: tuple[int, str | None] | None = None  # (step, operation)
+    self._reader = Reader(self._manager, self.directory, self._root,
+                          self.all_steps)
+    self._key = str(self._root)  # (this directory's run, in _RUNS)
+    # (step, orbax's operation id, checksums) of the save in flight.
+    self._pending: tuple[int, str | None, dict] | None = None
     self._committed: set[int] = set()  # steps verified on disk
     self._max_to_keep = max_to_keep
     self._check_no_strays()
@@ -132,7 +134,7 @@ class Checkpointer:
     before_threads_join(_weakly(self._finish_at_exit))
     self._previous_handler = None
     self._installed = False
-    if (handle_sigterm and jax.process_count() == 1 and
+    if (handle_sigterm and not read_only and jax.process_count() == 1 and
         threading.current_thread() is threading.main_thread()):
       self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
       self._installed = True
@@ -172,47 +174,79 @@ class Checkpointer:
            engine: Engine | None = None) -> bool:
     """Saves ``state`` as the checkpoint of step ``state.step``.
 
+    Every array's checksum goes into the checkpoint, for ``restore`` to
+    verify. After ``restore(step=k)``, the first save moves the steps after
+    k, of the history that restore abandoned, into ``abandoned/`` (printed
+    on stderr; a ``Checkpointer`` of that folder restores them).
+
     Args:
       state: the train state (not consumed: keep training with it).
       engine: the engine that made it; if given, its config is recorded in
         the checkpoint's metadata (shown when a restore fails).
 
     Returns:
-      True if a checkpoint was started, False if this step has one already.
+      True if a checkpoint was started; False if this very state (the same
+      step and values) is saved or being saved already, e.g. a periodic and
+      a preemption save of one step.
 
     Raises:
       CheckpointWriteError: the previous asynchronous save failed (nothing
         of this step is started then), or the directory cannot take this
         one. The checkpoints committed before are intact.
+      CheckpointConflictError: the directory holds checkpoints of another
+        run, or another state of this step; nothing was written.
       FileExistsError: the directory of this step exists but is not a
         committed zero_jax checkpoint.
+      PermissionError: the Checkpointer is ``read_only``.
     """
+    if self.read_only:
+      raise PermissionError(
+          f"Checkpointer({self.directory!r}, read_only=True) cannot save; "
+          "create a Checkpointer without read_only to save, into a "
+          "writable directory")
     step = int(state.step)
-    # (E.g. a periodic save and a preemption save coincide.)
+    sums = _integrity.checksums(stored_tree(state))
     if self._pending is not None and self._pending[0] == step:
-      return False  # being saved
+      if self._pending[2] == sums:
+        return False  # (e.g. a periodic and a preemption save coincide)
+      raise CheckpointConflictError(
+          f"refusing to save step {step} in {self.directory!r}: a different "
+          f"state of step {step} is being saved already. Each step has one "
+          "state: restore(step=k) to start another history from step k.",
+          step, self.directory)
     self._finish()  # (orbax would wait for the previous save here anyway)
     self._check_no_strays()
-    if step in self._manager.all_steps():
-      if self._is_committed(step):
-        return False
+    if (step in self._manager.all_steps() and
+        not self._is_committed(step)):
       raise FileExistsError(
           f"{str(self._step_path(step))!r} exists but is not a committed "
           "zero_jax checkpoint (an interrupted save or a foreign directory); "
           "move or delete it, then save again")
+    run, parent = _lineage.writing(self._key, agreed_id)
+    plan = _lineage.plan_save(step, sums, run, parent, {
+        t: self._reader.meta(t) for t in self.all_steps()})
+    plan = agreed(plan)
+    if plan.conflicts:
+      raise CheckpointConflictError(_lineage.conflict_message(
+          self.directory, step, plan, run), step, self.directory)
+    if plan.identical:
+      return False
+    if plan.set_aside:
+      self._set_aside(plan.set_aside, run.parent_step)
     if self._local:
       try:
         check_usable(self.directory)
       except OSError as e:
         raise self._write_error(step, e, "could not start") from e
-    items = {"state": ocp.args.StandardSave(
-        {k: getattr(state, k) for k in _STORED})}
+    items = {"state": ocp.args.StandardSave(stored_tree(state)["state"])}
     if state.loss_scale is not None:
-      items["loss_scale"] = ocp.args.StandardSave(_ls_dict(state.loss_scale))
+      items["loss_scale"] = ocp.args.StandardSave(ls_dict(state.loss_scale))
     meta = {"format": 1, "step": step,
             "num_devices": jax.device_count(),
             "process_count": jax.process_count(),
-            "opt_state": outline(state.opt_state)}
+            "opt_state": outline(state.opt_state),
+            "run": run.record(),
+            "checksum": _integrity.ALGORITHM, "checksums": sums}
     if engine is not None:
       # (JSON: tuples become lists.)
       meta["config"] = dataclasses.asdict(engine.config)
@@ -222,9 +256,31 @@ class Checkpointer:
     except (OSError, ValueError) as e:  # (orbax's "could not create")
       release_waiting_threads(current_operation_id())
       raise self._write_error(step, e, "failed") from e
-    if started:
-      self._pending = (step, current_operation_id())
-    return started
+    if not started:
+      # Orbax skips a step it holds already (checked above) or one its
+      # policies decline: never silently.
+      raise self._write_error(step, RuntimeError(
+          "orbax's CheckpointManager declined to save this step"),
+          "was not started")
+    self._pending = (step, current_operation_id(), sums)
+    return True
+
+  def _set_aside(self, steps: tuple[int, ...], parent_step: int | None
+                 ) -> None:
+    """Moves the abandoned branch's ``steps`` to ``abandoned/<name>/``,
+    where restores never look (process 0 moves; all wait for it)."""
+    folder = self._root / ABANDONED / _lineage.aside_name(parent_step)
+    if jax.process_index() == 0:
+      folder.mkdir(parents=True, exist_ok=True)
+      for t in steps:
+        self._step_path(t).rename(folder / str(t))
+    sync(f"zero_jax_set_aside_{parent_step}_{steps[-1]}")
+    self._committed.difference_update(steps)
+    self._manager.reload()
+    print(f"zero_jax.Checkpointer: steps {list(steps)} belong to the run "
+          f"abandoned by restore(step={parent_step}); moved to "
+          f"{str(folder)!r} (Checkpointer({str(folder)!r}, read_only=True) "
+          "restores them)", file=sys.stderr, flush=True)
 
   def wait(self) -> None:
     """Blocks until the last asynchronous save is committed.
@@ -274,6 +330,8 @@ class Checkpointer:
       # Orbax logs some failures (e.g. of its commit callback) and goes on.
       raise self._failed(pending, RuntimeError(
           "the checkpoint was not committed; see orbax's log above"))
+    if pending is not None:
+      _last_checkpoint.record(self.directory, pending[0])
 
   def _finish_at_exit(self) -> None:
     """At exit, waits for the pending save and reports a failure on stderr:
@@ -287,7 +345,7 @@ class Checkpointer:
       print(f"zero_jax.Checkpointer at exit: {e}", file=sys.stderr,
             flush=True)
 
-  def _failed(self, pending: tuple[int, str | None],
+  def _failed(self, pending: tuple[int, str | None, dict],
               e: BaseException) -> CheckpointWriteError:
     # The save's other threads may wait for a step directory that will
     # never come (until orbax's 300 s timeout), holding the process at exit.
@@ -379,33 +437,14 @@ class Checkpointer:
     """
     step = self._resolve_step(step)
     target = engine.abstract_state(params)
-    stored, has_scale = self._stored_metadata(step)
-    tree = {k: getattr(target, k) for k in _STORED}
-    meta = self._meta(step)
-    for part in _STORED:
-      check_matches(tree[part], stored.get(part), part, self._where(step),
-                    meta)
-    items = {"state": ocp.args.StandardRestore(tree)}
-    # A run resumed from a checkpoint without a loss scale (or skip count)
-    # starts a fresh one.
-    if target.loss_scale is not None and has_scale:
-      items["loss_scale"] = ocp.args.StandardRestore(
-          _ls_dict(target.loss_scale))
-    try:
-      r = self._manager.restore(step, args=ocp.args.Composite(**items))
-    except Exception as e:  # orbax raises many types; say which checkpoint
-      if "tree structures do not match" in str(e):
-        # A difference the checks above missed is still not corruption.
-        raise ValueError(
-            f"{self._where(step)} does not match this model and optimizer "
-            f"({e}); restore with the model and optimizer it was saved with "
-            "(the stage, mesh and offload may differ)") from e
-      raise self._unreadable(step, e) from e
-    # (Whether the stored scale is a loss scale for this engine, or only a
-    # skip count to carry into a fresh one, is the engine's to decide.)
-    loss_scale = (LossScaleState(**r["loss_scale"]) if "loss_scale" in items
-                  else None)
-    state = TrainState(**r["state"], loss_scale=loss_scale)
+    state, meta = self._reader.read(step, target)
+    self._reader.verify(step, meta, state, target)
+    if not self.read_only:
+      # A new run continues this checkpoint: its first save moves the steps
+      # after it (of the history left behind) aside.
+      _lineage.continue_from(self._key, _lineage.run_of(meta), step,
+                             agreed_id())
+    _last_checkpoint.record(self.directory, step)
     return engine.complete_state(state)
 
   def _resolve_step(self, step: int | None) -> int:
@@ -426,36 +465,6 @@ class Checkpointer:
                               f"{self.directory!r}; kept: {steps}")
     return step
 
-  def _where(self, step: int) -> str:
-    return f"checkpoint of step {step} in {self.directory!r}"
-
-  def _unreadable(self, step: int, e: Exception) -> ValueError:
-    return ValueError(
-        f"could not read {self._where(step)} ({type(e).__name__}: {e}); it "
-        "is corrupt or not a zero_jax checkpoint: restore an earlier one "
-        f"with step= (kept: {self.all_steps()})")
-
-  def _stored_metadata(self, step: int) -> tuple[dict[str, Any], bool]:
-    """The stored state's tree of array metadata, and whether the
-    checkpoint has a loss scale."""
-    try:
-      items = self._manager.item_metadata(step)
-      md = items["state"]
-    except Exception as e:  # a missing or unreadable metadata file
-      raise self._unreadable(step, e) from e
-    if md is None:
-      raise ValueError(f"{self._where(step)} has no 'state' item; it is not "
-                       "a zero_jax checkpoint")
-    return (dict(getattr(md, "tree", md)),
-            items.get("loss_scale") is not None)
-
-  def _meta(self, step: int) -> dict[str, Any]:
-    try:
-      return self._manager.restore(step, args=ocp.args.Composite(
-          meta=ocp.args.JsonRestore()))["meta"] or {}
-    except Exception:  # metadata is informative only
-      return {}
-
   # ----------------------------------------------------------- preemption
 
   def reached_preemption(self, step: int) -> bool:
@@ -475,10 +484,6 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------- helpers
-
-def _ls_dict(ls: Any) -> dict[str, Any]:
-  return {f.name: getattr(ls, f.name) for f in dataclasses.fields(ls)}
-
 
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:
   """Calls ``method`` while its object lives, without keeping it alive."""

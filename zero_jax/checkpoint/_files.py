@@ -46,4 +46,6 @@ def check_usable(directory: str) -> None:
     raise OSError(
         e.errno, f"the checkpoint directory {directory!r} cannot be written "
         f"({e.strerror or e}: {e.filename or path}); create it and make it "
-        "writable by this process, or pass another directory") from e
+        "writable by this process, or pass another directory (to restore "
+        "only, e.g. from a read-only mount: Checkpointer(directory, "
+        "read_only=True))") from e

@@ -46,14 +46,13 @@ import time
 from typing import Any, Callable
 
 from zero_jax import _heartbeat
+from zero_jax._agreement import ABORT_CODE_MARK as _CODE_MARK
+from zero_jax._agreement import ABORT_KEY as _ABORT_KEY
 from zero_jax._compat import distributed_state
 
-# The coordination-service key a failing process writes its error to.
-_ABORT_KEY = "zero_jax/abort"
 _POLL_SECONDS = 1.0
-# Separates the error from the exit code in the abort value (a character no
-# error message holds).
-_CODE_MARK = "\x1f"
+# How long a failing process waits for its error to reach the coordinator.
+_PUBLISH_SECONDS = 5.0
 # How often the launcher's watchdog looks at the heartbeat files.
 _WATCH_SECONDS = 0.5
 
@@ -70,12 +69,24 @@ class _FailFast:
   code, writes its exit code and error to the coordination service and exits
   at once; a watchdog thread in every process polls for that error and exits
   too, with the same code.
+
+  The watchdog thread, started when fail-fast is armed, also does the
+  writing: a failure is often noticed at exit (``sys.exit(3)``, seen by an
+  ``atexit`` handler), when Python 3.12 refuses to start a thread ("can't
+  create new thread at interpreter shutdown"; 3.11 and 3.13 allow it),
+  and the coordinator must not hold the exiting process either, so the
+  main thread hands the error over and waits for at most
+  ``_PUBLISH_SECONDS``.
   """
 
   def __init__(self, client: Any, process_id: int):
     self._client = client
     self._pid = process_id
     self._stop = threading.Event()
+    # Wakes the watchdog thread: to stop, or to publish ``_request``.
+    self._wake = threading.Event()
+    self._request: tuple[int, str] | None = None  # (code, text) to publish
+    self._published = threading.Event()
     self._exit_code = 0  # non-zero: this process failed, exit with it
     # The code of the main thread's last sys.exit() (None: not called, or
     # training went on after it).
@@ -91,7 +102,7 @@ class _FailFast:
     # SystemExit never reaches sys.excepthook, and atexit handlers cannot see
     # the exit code: only an exit function that records it can tell a
     # failing sys.exit(3) from a normal end. (A bare ``raise SystemExit(3)``
-    # is seen only where the launcher runs the script: _RUNNER there.)
+    # is seen only where the launcher runs the script: _spawn.RUNNER.)
     for owner, name in ((sys, "exit"), (builtins, "exit"), (builtins, "quit")):
       original = getattr(owner, name, None)
       if original is not None:  # (python -S has no exit() or quit())
@@ -108,8 +119,11 @@ class _FailFast:
 
   def _halt(self) -> None:
     self._stop.set()
-    if self._thread.is_alive() and threading.current_thread() is not \
-        self._thread:
+    self._wake.set()
+    # (Not when a publication timed out: the coordinator holds that thread,
+    # and it has had its time.)
+    if (self._thread.is_alive() and threading.current_thread() is not
+        self._thread and (self._request is None or self._published.is_set())):
       self._thread.join(timeout=5)
     # (==, not is: every self._excepthook is a new bound-method object.)
     if sys.excepthook == self._excepthook:
@@ -120,7 +134,14 @@ class _FailFast:
     self._exits.clear()
 
   def _watch(self) -> None:
-    while not self._stop.wait(_POLL_SECONDS):
+    while True:
+      self._wake.wait(_POLL_SECONDS)
+      if self._request is not None:
+        self._publish(*self._request)
+        self._published.set()
+        return  # (this process is failing: it exits on its own)
+      if self._stop.is_set():
+        return
       if _client() is not self._client:
         return  # jax.distributed.shutdown() was called
       try:
@@ -129,8 +150,8 @@ class _FailFast:
         # NOT_FOUND: nobody failed. Anything else: the coordinator is gone,
         # and JAX's own error polling terminates this process.
         continue
-      if self._stop.is_set():
-        return
+      if self._request is not None or self._stop.is_set():
+        continue  # (this process failed meanwhile: publish, or stop)
       code, text = _parse_abort(str(message))
       _stderr(f"zero_jax.distributed: {text}; stopping process "
               f"{self._pid} too.")
@@ -168,33 +189,43 @@ class _FailFast:
 
   def _fail(self, code: int, text: str) -> None:
     """Marks this process failed with ``code`` and tells the others; if
-    another process failed first, takes that one's code instead."""
+    another process failed first, takes that one's code instead.
+
+    Starts no thread (it may run at interpreter shutdown): the watchdog
+    thread publishes, or, where fail-fast was never started, this one.
+    """
+    if self._request is not None:
+      return  # (published already: the first failure's code stands)
     self._exit_code = code
-    self._stop.set()
     if len(text) > 1000:
       text = text[:1000] + "..."
+    if self._thread.ident is None:  # (never started)
+      self._request = (code, text)
+      self._publish(code, text)
+      return
+    self._request = (code, text)
+    if not self._thread.is_alive():
+      return  # (jax.distributed.shutdown() ended it: nobody to tell)
+    self._wake.set()
+    # (Bounded: an unreachable coordinator cannot hold this process here.)
+    self._published.wait(timeout=_PUBLISH_SECONDS)
 
-    def publish():
-      try:
-        self._client.key_value_set(_ABORT_KEY, _abort_value(code, text))
-        return
-      except Exception:  # pylint: disable=broad-except
-        pass  # another process failed first, or the coordinator is gone
-      try:
-        first = self._client.key_value_try_get(_ABORT_KEY)
-      except Exception:  # pylint: disable=broad-except
-        return
-      # This failure is most likely the other's consequence (a collective
-      # with a process that has gone): the job's status is the first one's,
-      # whichever process the launcher sees end first.
-      self._exit_code, first_text = _parse_abort(str(first))
-      _stderr(f"zero_jax.distributed: {first_text} before process "
-              f"{self._pid} failed.")
-
-    # In a thread, so that an unreachable coordinator cannot hold us here.
-    sender = threading.Thread(target=publish, daemon=True)
-    sender.start()
-    sender.join(timeout=5)
+  def _publish(self, code: int, text: str) -> None:
+    try:
+      self._client.key_value_set(_ABORT_KEY, _abort_value(code, text))
+      return
+    except Exception:  # pylint: disable=broad-except
+      pass  # another process failed first, or the coordinator is gone
+    try:
+      first = self._client.key_value_try_get(_ABORT_KEY)
+    except Exception:  # pylint: disable=broad-except
+      return
+    # This failure is most likely the other's consequence (a collective
+    # with a process that has gone): the job's status is the first one's,
+    # whichever process the launcher sees end first.
+    self._exit_code, first_text = _parse_abort(str(first))
+    _stderr(f"zero_jax.distributed: {first_text} before process "
+            f"{self._pid} failed.")
 
   def _at_exit(self) -> None:
     if not self._exit_code and self.exit_requested:

@@ -30,13 +30,21 @@ script starts, so a process that hangs before importing ``zero_jax``, or
 never imports it, still has its stack printed; importing the package
 registers nothing.
 
+A script that never calls ``zero_jax.distributed.initialize()`` would run
+as NPROC single processes, each alone on its own devices: ``Engine.step``
+refuses that at the first step, and the runner (``_spawn.RUNNER``) when a
+script that used JAX otherwise ends (exit code 1); both name the call.
+Times that are not finite numbers of seconds >= 0 (``--grace-period nan``
+would never kill) are refused with exit status 2.
+
 Exit status:
 
 * 0: every process exited 0 (one that calls ``sys.exit(0)`` early is no
   failure: the others go on).
 * the exit code of the first process that failed (exited non-zero), e.g. 3
   for ``sys.exit(3)``, 1 for an uncaught exception; 128 + N for a process
-  killed by signal N (137 for SIGKILL), as a shell reports it.
+  killed by signal N (137 for SIGKILL), as a shell reports it. (Also when
+  every process fails at once.)
 * 124 (``WATCHDOG_EXIT_CODE``, like ``timeout``): the watchdog ended the
   job.
 * 128 + N: the launcher got signal N (SIGTERM, SIGINT), forwarded it, and
@@ -46,22 +54,21 @@ Exit status:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
 import time
-from typing import IO, Mapping, Sequence
+from typing import IO, Sequence
 
-from zero_jax._heartbeat import ENV_HEARTBEAT_FILE
 from zero_jax.distributed._failfast import Watchdog
-from zero_jax.distributed._runtime import (ENV_COORDINATOR, ENV_CPU_DEVICES,
-                                           ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+from zero_jax.distributed._spawn import (RUNNER, STACK_DUMP_SIGNAL,
+                                         child_env, free_port, tied_command)
 
 # The launcher's exit status when --watchdog ended the job (as ``timeout``).
 WATCHDOG_EXIT_CODE = 124
@@ -71,119 +78,13 @@ WATCHDOG_EXIT_CODE = 124
 # checkpoint anyway.
 DEFAULT_FAILURE_GRACE_SECONDS = 5.0
 
-_HOST = "127.0.0.1"
-_DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
 # How long the processes get to print their stacks before SIGTERM.
 _DUMP_SECONDS = 2.0
-# The signal on which a process started with --watchdog prints every
-# thread's Python stack to its stderr (registered by _RUNNER).
-STACK_DUMP_SIGNAL = signal.SIGUSR1
-
-
-def _free_port() -> int:
-  """A TCP port nobody listens on right now (for the coordinator)."""
-  with socket.socket() as s:
-    s.bind((_HOST, 0))
-    return s.getsockname()[1]
-
-
-def _child_env(base: Mapping[str, str], process_id: int, num_processes: int,
-               port: int, devices_per_proc: int | None,
-               heartbeat_file: str | None = None) -> dict[str, str]:
-  """The environment of process ``process_id``."""
-  env = dict(base)
-  env[ENV_COORDINATOR] = f"{_HOST}:{port}"
-  env[ENV_NUM_PROCESSES] = str(num_processes)
-  env[ENV_PROCESS_ID] = str(process_id)
-  # (Inherited from a launcher that launched this one: not ours to touch.)
-  env.pop(ENV_HEARTBEAT_FILE, None)
-  if heartbeat_file is not None:
-    env[ENV_HEARTBEAT_FILE] = heartbeat_file
-  # Children write to pipes: without this, Python would hold their output
-  # back in blocks instead of lines.
-  env.setdefault("PYTHONUNBUFFERED", "1")
-  env.pop(ENV_CPU_DEVICES, None)
-  if devices_per_proc is not None:
-    env[ENV_CPU_DEVICES] = str(devices_per_proc)
-    env["JAX_PLATFORMS"] = "cpu"
-    # An inherited device count would contradict ZERO_JAX_CPU_DEVICES.
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if _DEVICE_COUNT_FLAG not in f]
-    if flags:
-      env["XLA_FLAGS"] = " ".join(flags)
-    else:
-      env.pop("XLA_FLAGS", None)
-  return env
 
 
 def _exit_code(returncode: int) -> int:
   """A child's status as a shell reports it (128 + N if killed by N)."""
   return 128 - returncode if returncode < 0 else returncode
-
-
-# Runs each child: if the launcher is killed (SIGKILL leaves it no chance to
-# clean up), the kernel kills the child too, instead of leaving it running
-# in its own session. PR_SET_PDEATHSIG survives the exec into the script.
-# SIGKILL, because JAX's preemption service swallows SIGTERM in
-# multi-process runs. (A trampoline, not preexec_fn: forking a process that
-# runs threads, as JAX does, must not run Python code in the child.)
-_TRAMPOLINE = (
-    "import ctypes, os, sys\n"
-    "ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)  # parent died already\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n")
-
-
-# Runs the script (or module, -m) as Python would, but sees how it ends: a
-# SystemExit from any route (sys.exit, exit(), raise SystemExit) tells
-# zero_jax.distributed's fail-fast the exit code (main_exited), which atexit
-# cannot learn. Under --watchdog (ENV_HEARTBEAT_FILE set) it first registers
-# the stack dump, so that every process has one, whether or not the script
-# ever imports zero_jax; then it creates the heartbeat file with mtime 0,
-# which tells the launcher "running, no step yet, stack dump registered".
-# O_EXCL: a process that inherits the variable and runs this again must not
-# reset the file. (Created even without a stack dump, which only a process
-# without stderr lacks: else its steps would go unseen.)
-# Inline and standard library only, not a module of this package: importing
-# zero_jax.distributed would import JAX before the script sets its flags.
-_RUNNER = (
-    "import os, runpy, sys\n"
-    f"beat = os.environ.get({ENV_HEARTBEAT_FILE!r}, '').strip()\n"
-    "if beat:\n"
-    "  import faulthandler\n"
-    "  try:\n"
-    f"    faulthandler.register({int(STACK_DUMP_SIGNAL)}, file=sys.stderr,\n"
-    "                          all_threads=True, chain=False)\n"
-    "  except (AttributeError, ValueError, OSError, RuntimeError):\n"
-    "    pass  # (no usable stderr file descriptor: no stacks)\n"
-    "  try:\n"
-    "    os.close(os.open(beat, os.O_CREAT | os.O_EXCL | os.O_WRONLY))\n"
-    "    os.utime(beat, ns=(0, 0))\n"
-    "  except OSError:\n"
-    "    pass\n"
-    "mode, target = sys.argv[1], sys.argv[2]\n"
-    "sys.argv = sys.argv[2:]\n"
-    "if mode == '-m':\n"
-    "  sys.path[0] = os.getcwd()\n"
-    "  run = lambda: runpy.run_module(target, run_name='__main__',\n"
-    "                                 alter_sys=True)\n"
-    "else:\n"
-    "  sys.path[0] = os.path.dirname(os.path.realpath(target))\n"
-    "  run = lambda: runpy.run_path(target, run_name='__main__')\n"
-    "try:\n"
-    "  run()\n"
-    "except SystemExit as e:\n"
-    "  d = sys.modules.get('zero_jax.distributed._failfast')\n"
-    "  if d is not None:\n"
-    "    d.main_exited(e.code)\n"
-    "  raise\n")
-
-
-def _command(command: list[str]) -> list[str]:
-  if not sys.platform.startswith("linux"):
-    return command
-  return [sys.executable, "-S", "-c", _TRAMPOLINE, str(os.getpid()),
-          *command]
 
 
 def _pump(pipe: IO[bytes], out: IO[str], prefix: str,
@@ -244,9 +145,9 @@ class _Launcher:
       self.watchdog = Watchdog(self.watchdog_limit, paths)
     for i in range(self.nproc):
       self.procs.append(subprocess.Popen(
-          _command(self.command),
-          env=_child_env(os.environ, i, self.nproc, self.port,
-                         self.devices_per_proc, paths[i]),
+          tied_command(self.command),
+          env=child_env(os.environ, i, self.nproc, self.port,
+                        self.devices_per_proc, paths[i]),
           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
           # Own session: a Ctrl-C in the terminal reaches the launcher only,
           # which forwards it once; signals go to each child's whole group.
@@ -376,6 +277,10 @@ class _Launcher:
         time.sleep(0.05)
       for t in threads:
         t.join(timeout=5)  # (a grandchild may hold a pipe open)
+      if failed is None:
+        # (Every process ended between two looks, failures included: e.g.
+        # all of them refusing the same thing at once.)
+        failed = next((code for _, code in exits if code != 0), None)
       if failed is not None:
         return failed
       return 128 + self.signalled if self.signalled is not None else 0
@@ -470,20 +375,41 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   parser = _parser()
   args = parser.parse_args(argv)
-  if args.nproc < 1:
-    parser.error("--nproc must be >= 1")
-  if args.devices_per_proc is not None and args.devices_per_proc < 1:
-    parser.error("--devices-per-proc must be >= 1")
-  if args.grace_period < 0:
-    parser.error("--grace-period must be >= 0")
-  if args.failure_grace_period is not None and args.failure_grace_period < 0:
-    parser.error("--failure-grace-period must be >= 0")
-  if args.watchdog is not None and args.watchdog <= 0:
-    parser.error("--watchdog must be > 0 (seconds without a training step); "
-                 "leave it out to turn the watchdog off")
-  command = [sys.executable, "-c", _RUNNER, "-m" if args.module else "--",
-             args.script, *args.args]
-  launcher = _Launcher(command, args.nproc, args.devices_per_proc,
-                       args.port or _free_port(), args.grace_period,
+  _check_args(parser, args)
+  argv = [sys.executable, "-c", RUNNER, "-m" if args.module else "--",
+          args.script, *args.args]
+  launcher = _Launcher(argv, args.nproc, args.devices_per_proc,
+                       args.port or free_port(), args.grace_period,
                        args.failure_grace_period, args.watchdog)
   return launcher.run()
+
+
+def _check_args(parser: argparse.ArgumentParser,
+                args: argparse.Namespace) -> None:
+  """Refuses numbers the launcher cannot act on (``parser.error``: exit 2,
+  naming the flag). ``float`` takes ``nan`` and ``inf``: a NaN grace period
+  compares false with every time, so it would never kill."""
+  if args.nproc < 1:
+    parser.error(f"--nproc must be >= 1, got {args.nproc}")
+  if args.devices_per_proc is not None and args.devices_per_proc < 1:
+    parser.error(f"--devices-per-proc must be >= 1, got "
+                 f"{args.devices_per_proc}")
+  if args.port is not None and not 0 <= args.port <= 65535:
+    parser.error(f"--port must be a TCP port, 1 to 65535 (0: a free one), "
+                 f"got {args.port}; leave it out to use a free one")
+  off = "; leave it out to turn the watchdog off"
+  for flag, value, fix in (
+      ("--grace-period", args.grace_period, "; e.g. 30"),
+      ("--failure-grace-period", args.failure_grace_period,
+       "; leave it out for the default"),
+      ("--watchdog", args.watchdog, off)):
+    if value is not None and not math.isfinite(value):
+      parser.error(f"{flag} must be a finite number of seconds, got "
+                   f"{value}{fix}")
+  for flag, value in (("--grace-period", args.grace_period),
+                      ("--failure-grace-period", args.failure_grace_period)):
+    if value is not None and value < 0:
+      parser.error(f"{flag} must be >= 0, got {value:g}")
+  if args.watchdog is not None and args.watchdog <= 0:
+    parser.error(f"--watchdog must be > 0 (seconds without a training step), "
+                 f"got {args.watchdog:g}{off}")

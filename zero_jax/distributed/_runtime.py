@@ -37,14 +37,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zero_jax._agreement import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from zero_jax._compat import backends_started, cluster_kinds, distributed_state
 from zero_jax.distributed import _failfast
 from zero_jax.layout import batch_axes
 
-# Set by ``python -m zero_jax.launch`` for each process it starts.
+# Set by ``python -m zero_jax.launch`` for each process it starts (with
+# ENV_NUM_PROCESSES and ENV_PROCESS_ID, which zero_jax._agreement reads too).
 ENV_COORDINATOR = "ZERO_JAX_COORDINATOR"
-ENV_NUM_PROCESSES = "ZERO_JAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "ZERO_JAX_PROCESS_ID"
 ENV_CPU_DEVICES = "ZERO_JAX_CPU_DEVICES"
 # Seconds without heartbeats after which the coordination service declares a
 # process dead and terminates all of them. JAX's default (100 s) lets a job

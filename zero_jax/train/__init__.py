@@ -12,7 +12,7 @@ from zero_jax.train._grads import Loss
 from zero_jax.train._from_config import initialize
 from zero_jax.train._layout import BatchLayout, Layout
 from zero_jax.train._loss_scale import LossScaleState
-from zero_jax.train._runner import StepFunction
+from zero_jax.train._runner import StepFailedError, StepFunction
 from zero_jax.train._state import TrainState
 from zero_jax.train._train_step import jit_step, train_step
 from zero_jax.train._update import OnDevice, UpdateStrategy
@@ -26,6 +26,7 @@ __all__ = [
     "LossScaleState",
     "OnDevice",
     "OnHost",
+    "StepFailedError",
     "StepFunction",
     "Streamed",
     "TrainState",

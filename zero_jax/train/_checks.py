@@ -63,7 +63,10 @@ def check_state(state: Any, shapes: TrainState, shardings: TrainState
         raise ValueError(
             f"{where} was deleted: this TrainState was donated to an "
             "earlier engine.step, which returned the state to use "
-            "instead (state, metrics = engine.step(state, batch)).")
+            "instead (state, metrics = engine.step(state, batch)); if "
+            "that step failed, its state is gone too: restore the last "
+            "checkpoint (zero_jax.Checkpointer(directory).restore(engine, "
+            "params)) or start again with engine.init(params).")
       if x.shape != w.shape or x.dtype != w.dtype:
         raise ValueError(
             f"{where} is {_describe_value(x)}, this engine's is "

@@ -248,12 +248,22 @@ class Engine:
     mesh). Host (numpy) leaves are this process's slice of the global batch
     (in a single-process run: the whole batch).
 
+    In a multi-process run every process must feed the same shapes: each
+    call checks it with the others (``zero_jax._agreement``: a round over
+    JAX's coordination service, nothing on the devices).
+
     Raises:
       ValueError: in a multi-process run, a ``jax.Array`` leaf is on this
-        process's devices only; the message names
-        ``zero_jax.distributed.local_batch``.
+        process's devices only (the message names
+        ``zero_jax.distributed.local_batch``), or the processes fed
+        different rows or shapes (raised on every process).
+      RuntimeError: ``python -m zero_jax.launch`` started this process as
+        one of several, but ``zero_jax.distributed.initialize()`` was
+        never called.
     """
+    from zero_jax import _agreement  # pylint: disable=g-import-not-at-top
     nproc = jax.process_count()
+    _agreement.check_batch(batch, nproc)
 
     def place(path, x):
       if isinstance(x, jax.ShapeDtypeStruct):

@@ -52,16 +52,71 @@ def whole_initializer(layout, params: Any
           (jax.tree.map(shape_of, params, layout.device_params),))
 
 
+def _buffers(x: Any) -> list[tuple[int, int]] | None:
+  """The memory ranges ``(start, end)`` that ``x``'s data occupies in this
+  process (a jax.Array's shards, a numpy array's buffer), or None where
+  they cannot be told."""
+  try:
+    if isinstance(x, jax.Array):
+      return [(p, p + s.data.nbytes) for s in x.addressable_shards
+              if (p := s.data.unsafe_buffer_pointer())]
+    x = np.asarray(x)
+    start = x.__array_interface__["data"][0]
+    return [(start, start + max(x.nbytes, 1))]
+  except Exception:  # pylint: disable=broad-except
+    return None  # (an array of another kind, a backend without pointers)
+
+
+def _shares(x: Any, copy: jax.Array) -> bool:
+  """Whether ``copy``, placed from ``x``, still holds memory of ``x``'s;
+  True where that cannot be told."""
+  theirs, ours = _buffers(x), _buffers(copy)
+  if theirs is None or ours is None:
+    return True
+  return any(a < d and c < b for a, b in theirs for c, d in ours)
+
+
+def fresh(params: Any, placed_params: Any) -> Any:
+  """``placed_params`` (``params`` placed by ``jax.device_put``), with
+  every leaf that shares memory with the caller's leaf copied.
+
+  ``device_put(..., may_alias=False)`` is not enough, on any supported jax:
+  a leaf on one device placed replicated keeps the caller's buffer as that
+  device's copy, and a small numpy array on a CPU device is used in place.
+  The state is donated to every step (and the placed parameters to a
+  streamed init), which would delete or overwrite the caller's arrays.
+  """
+  theirs, treedef = jax.tree.flatten(params)
+  ours = treedef.flatten_up_to(placed_params)
+  shared = [i for i, (x, y) in enumerate(zip(theirs, ours)) if _shares(x, y)]
+  in_device = [i for i in shared
+               if (ours[i].sharding.memory_kind or "device") == "device"]
+  if in_device:
+    # One program copies them all (a jit output never aliases an input
+    # that is not donated).
+    copies = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
+                     out_shardings=[ours[i].sharding for i in in_device])(
+                         [ours[i] for i in in_device])
+    for i, c in zip(in_device, copies):
+      ours[i] = c
+  for i in set(shared) - set(in_device):
+    # (Host memory: through the device and back, two fresh buffers.)
+    sh = ours[i].sharding
+    ours[i] = jax.device_put(
+        jax.device_put(ours[i], sh.with_memory_kind("device")), sh)
+  return treedef.unflatten(ours)
+
+
 def placed(layout, params: Any, make: Callable[..., TrainState],
            args: tuple) -> TrainState:
   """Runs an initializer (``make`` with arguments shaped as ``args``):
   ``params`` copied into the layout of ``args[0]``, and the buffers of the
   others (host memory a streamed init writes into) made where they live."""
   del layout
-  # Always a copy (may_alias=False): later steps donate the state, and that
-  # must never invalidate the caller's arrays.
-  placed_params = jax.device_put(
-      params, jax.tree.map(lambda a: a.sharding, args[0]), may_alias=False)
+  # Always a copy: later steps donate the state (a streamed init the placed
+  # parameters), and that must never invalidate the caller's arrays.
+  placed_params = fresh(params, jax.device_put(
+      params, jax.tree.map(lambda a: a.sharding, args[0]), may_alias=False))
   # Zeros in host memory come from numpy, shard by shard, never through a
   # device.
   zeros = lambda a: None if a is None else jax.make_array_from_callback(

@@ -236,9 +236,11 @@ class OnHost:
     """Master and optimizer state built on the host's CPU devices, the
     compute copy sent to the device."""
     host = self.host
+    # (A copy the caller does not hold: the host's update donates it.)
     master = jax.jit(lambda p: jax.tree.map(
         lambda x: x.astype(jnp.float32), p),
-                     out_shardings=host.master_shardings)(host.put(params))
+                     out_shardings=host.master_shardings)(
+                         _init.fresh(params, host.put(params)))
     rest = jax.jit(lambda: TrainState(
         step=jnp.zeros((), jnp.int32), params=None, opt_state=None,
         rng=jax.random.PRNGKey(layout.config.seed),

@@ -1,17 +1,122 @@
 """``engine.step``: the jitted train step and the host-side work around it:
 checks of the state and batch it is given, the remat choice, the update
-strategy's host side, and the overflow and skip flags read one step late.
+strategy's host side, the overflow and skip flags read one step late, and
+what a step that fails at run time leaves behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from zero_jax import _heartbeat
+import jax
+
+from zero_jax import _heartbeat, _last_checkpoint
 from zero_jax.config import RematPolicy
 from zero_jax.train import _checks
 from zero_jax.train._state import TrainState
 from zero_jax.train._train_step import jit_step
+
+
+class StepFailedError(jax.errors.JaxRuntimeError):
+  """``engine.step``'s compiled program failed at run time (out of memory,
+  a host callback that raised, a failed collective).
+
+  The message names the step, says whether the state given to it survives,
+  the last checkpoint known to this process, and the fix; the original
+  error is its ``__cause__``. A ``jax.errors.JaxRuntimeError``, so that
+  code catching JAX's run-time errors catches it too.
+  """
+
+
+@dataclasses.dataclass
+class _Dispatched:
+  """A step dispatched whose outputs the host has not read yet.
+
+  Attributes:
+    number: the step's number (the ``state.step`` it returns), or None.
+    given: the ``step`` leaf of the state it was given (identifies it).
+    given_lost: that state's buffers were donated (or deleted) by it.
+    returned: the ``step`` leaf of the state it returned.
+    at_min: the overflow-at-minimum-scale flag, until read.
+    skipped: the non-finite skip flag, until read.
+    outputs: its scalar outputs, read to learn whether it failed.
+  """
+
+  number: int | None
+  given: Any
+  given_lost: bool
+  returned: Any
+  at_min: Any
+  skipped: Any
+  outputs: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+  """The last step that failed at run time, and the states it took."""
+
+  number: int | None
+  summary: str
+  lost: tuple  # the ``step`` leaves of the states it took with it
+
+  def took(self, state: Any) -> bool:
+    """Whether ``state`` is one of the states this failure took."""
+    step = getattr(state, "step", None)
+    return any(step is x for x in self.lost)
+
+
+def _lost(state: TrainState) -> bool:
+  """Whether a leaf of ``state`` is gone (donated to a step, or deleted)."""
+  return any(isinstance(x, jax.Array) and x.is_deleted()
+             for x in jax.tree.leaves(state))
+
+
+def _summary(error: BaseException) -> str:
+  """An error in one line: JAX's run-time errors carry the traceback of a
+  callback that raised; its last line is the callback's own error."""
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  if not lines:
+    return type(error).__name__
+  first = lines[0].replace("Traceback (most recent call last):", "")
+  first = first.strip()
+  return first if len(lines) == 1 else f"{first} {lines[-1]}"
+
+
+def _name(number: int | None) -> str:
+  return "a step" if number is None else f"step {number}"
+
+
+def _fix(error: BaseException, remat: RematPolicy) -> str:
+  """What to do about ``error``, by its kind."""
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+    return (
+        "It ran out of memory. Fix: a smaller batch per device "
+        "(ZeroConfig.micro_batch_size, with more grad_accum_steps to keep "
+        f"the global batch), remat (ZeroConfig.remat is '{remat}': 'full' "
+        "keeps least, 'auto' picks what fits), or offload "
+        "(offload_optimizer='host'; offload_params='host' at stage 3); "
+        "python -m zero_jax.estimate tells what fits.")
+  if "callback" in text.lower():
+    own = [l.strip() for l in text.splitlines() if l.strip()][-1]
+    return (f"A host callback in the step raised ({own}): the callback's "
+            "own error is the cause (its traceback is in the error above); "
+            "fix the callback.")
+  return ("The cause is the error above; where it names a collective, "
+          "another process may have failed first: check every process's "
+          "log.")
+
+
+def _recovery() -> str:
+  """How to get a state again: the last checkpoint, or a fresh init."""
+  record = _last_checkpoint.last()
+  if record is None:
+    return ("No checkpoint was saved or restored in this process: start "
+            "again with state = engine.init(params), or restore one with "
+            "zero_jax.Checkpointer(directory).restore(engine, params).")
+  return (f"Get a state again: {record.restore_hint()}; or start afresh "
+          "with state = engine.init(params).")
 
 
 class StepFunction:
@@ -38,6 +143,17 @@ class StepFunction:
   raises ``FloatingPointError`` (checked one step late, so the host never
   waits for the step it has just dispatched).
 
+  A step that fails at run time (out of memory, a host callback that
+  raised, a failed collective) raises ``StepFailedError``, a
+  ``jax.errors.JaxRuntimeError`` whose cause is JAX's error: at the call
+  that dispatched it, or (JAX runs steps asynchronously) at the next call,
+  which reads the step's outputs. It names the step, whether the state
+  given to it survives (a donated state does not, nor the state a failed
+  step returned), the last checkpoint this process saved or restored, and
+  the fix. Passing a state the failure took to ``engine.step`` again says
+  so; a state from ``engine.init`` or ``Checkpointer.restore`` starts
+  afresh, with nothing of the failed run's carried over.
+
   Before anything reaches XLA, ``state`` is checked (not donated to an
   earlier step; this engine's tree, shapes, dtypes and devices: a state of
   another engine is converted by saving and restoring it through
@@ -57,17 +173,22 @@ class StepFunction:
   def __init__(self, engine):
     self._engine = engine
     self._jit: tuple[Any, Any] = (None, None)  # (layout, its jax.jit)
-    self._at_min = None  # the previous step's overflow-at-minimum flag
-    self._skipped = []  # skip flags (non-finite norm) not yet read
-    self._skips = 0  # skipped steps in a row, up to the previous one
+    self._pending: list[_Dispatched] = []  # steps whose outputs are unread
+    self._skips = 0  # skipped steps in a row, up to the last one read
     self._returned = None  # the state the previous step returned
+    self._number = None  # its step count, where known
     self._carry = None  # what the update strategy keeps between steps
+    self._failure: _Failure | None = None  # the last step that failed
 
   def reset(self) -> None:
-    """Forgets what the update strategy carried between steps (the engine
-    was laid out anew)."""
+    """Forgets the run so far: what the update strategy carried between
+    steps and the flags not yet read (a new state from ``engine.init``, or
+    the engine laid out anew)."""
     self._carry = None
     self._returned = None
+    self._number = None
+    self._pending.clear()
+    self._skips = 0
 
   def jit_for(self, layout) -> Any:
     """The ``jax.jit`` of the step for ``layout`` (the last one is kept)."""
@@ -90,7 +211,13 @@ class StepFunction:
     return layout
 
   def __call__(self, state: TrainState, batch: Any):
-    self.check()
+    self._refuse_lost(state)
+    # The state the last step returned (or a copy with its step counter)
+    # goes on from it; any other (engine.init, a restore) starts afresh.
+    goes_on = (self._returned is not None and
+               getattr(state, "step", None) is self._returned.step)
+    if goes_on:
+      self.check()
     engine = self._engine
     layout = self._chosen(state, batch)
     jitted = self.jit_for(layout)
@@ -100,16 +227,30 @@ class StepFunction:
                           layout.state_shardings)
     _checks.check_batch(batch)
     batch = engine.shard_batch(batch)
-    outputs = jitted(layout.update.device_input(state), batch)
-    state, metrics, self._at_min, self._carry = layout.update.after(
-        layout, state, outputs, self._carry)
+    if not goes_on:
+      # What is pending belongs to the history this state leaves: none of
+      # its flags, errors or carried buffers apply to it.
+      self.reset()
+    number = self._count(state)
+    try:
+      outputs = jitted(layout.update.device_input(state), batch)
+      new, metrics, at_min, self._carry = layout.update.after(
+          layout, state, outputs, self._carry)
+    except jax.errors.JaxRuntimeError as e:
+      raise self._failed_now(state, number, e) from e
+    skipped = None
     if not layout.placement.loss_scaling and layout.config.skip_nonfinite:
-      self._skipped.append(metrics["skipped"])
-    self._returned = state
-    # The launcher's watchdog (--watchdog) sees progress. (The skip flag
-    # read at the next call waits for this step, so a hung step stops it.)
+      skipped = metrics["skipped"]
+    self._pending.append(_Dispatched(
+        number=number, given=state.step, given_lost=_lost(state),
+        returned=new.step, at_min=at_min, skipped=skipped,
+        outputs=tuple(x for x in (metrics["loss"], skipped, at_min)
+                      if x is not None)))
+    self._returned, self._number = new, number
+    # The launcher's watchdog (--watchdog) sees progress. (The flags read
+    # at the next call wait for this step, so a hung step stops it.)
     _heartbeat.step_done()
-    return state, metrics
+    return new, metrics
 
   def _chosen(self, state: TrainState, batch: Any):
     """The layout to run, with the remat policy chosen if it was "auto"."""
@@ -119,23 +260,130 @@ class StepFunction:
       layout = self._layout()
     return layout
 
+  # ------------------------------------------------ steps that failed
+
+  def _refuse_lost(self, state: Any) -> None:
+    """Raises if ``state`` is one a failed step took with it."""
+    failure = self._failure
+    if failure is None or not failure.took(state):
+      return
+    raise ValueError(
+        f"this TrainState was lost when {_name(failure.number)} failed at "
+        f"run time ({failure.summary}): its arrays were donated to that "
+        "step or hold its error, not values, and no step can use them. "
+        + _recovery())
+
+  def _count(self, state: TrainState) -> int:
+    """The number of the step ``state`` is about to take (its
+    ``state.step`` + 1): counted on from the last step, else read once."""
+    if self._number is not None:
+      return self._number + 1
+    try:
+      return int(state.step) + 1
+    except jax.errors.JaxRuntimeError as e:
+      raise ValueError(
+          f"the TrainState given holds the error of a computation that "
+          f"failed ({_summary(e)}), not values: it was returned by a step "
+          "that failed, or made from such a state. " + _recovery()) from e
+
+  def _failed_now(self, state: TrainState, number: int | None,
+                  error: BaseException) -> StepFailedError:
+    """The error for a step that raised as it was dispatched (or a step
+    before it, whose failure surfaced only now)."""
+    earlier = self._first_failed()
+    if earlier is not None:
+      return self._failed(earlier, error, also=(state.step,))
+    given_lost = _lost(state)
+    if given_lost:
+      self._failure = _Failure(number, _summary(error), (state.step,))
+      self.reset()  # (nothing of the failed run carries over)
+      fate = ("The state given to it was donated to it and is gone: do "
+              "not pass it to engine.step again. " + _recovery())
+    else:
+      fate = ("The state given to it was not donated and is unchanged: "
+              "engine.step may take it again once the cause is fixed.")
+    return StepFailedError(
+        f"engine.step: {_name(number)} failed at run time "
+        f"({_summary(error)}). {_fix(error, self._remat())} {fate}")
+
+  def _failed_late(self, error: BaseException) -> StepFailedError:
+    """The error for a failure seen in a flag read one step late."""
+    first = self._first_failed()
+    return self._failed(0 if first is None else first, error)
+
+  def _first_failed(self) -> int | None:
+    """The index in ``_pending`` of the first step whose outputs hold an
+    error (the steps after it inherit it), or None."""
+    for i, d in enumerate(self._pending):
+      try:
+        jax.block_until_ready(d.outputs)
+      except jax.errors.JaxRuntimeError:
+        return i
+    return None
+
+  def _failed(self, index: int, error: BaseException,
+              also: tuple = ()) -> StepFailedError:
+    """Records that ``_pending[index]`` failed at run time, taking the
+    states it and the steps after it returned (and the one given to it,
+    if donated), and returns the error to raise."""
+    failed, after = self._pending[index], self._pending[index:]
+    lost = tuple(d.returned for d in after) + also
+    if failed.given_lost:
+      lost += (failed.given,)
+    self._failure = _Failure(failed.number, _summary(error), lost)
+    self.reset()  # (nothing of the failed run carries over)
+    given = ("was donated to it and is gone" if failed.given_lost else
+             "was not donated and is unchanged (engine.step may take it "
+             "again)")
+    return StepFailedError(
+        f"engine.step: {_name(failed.number)} failed at run time "
+        f"({_summary(error)}); JAX runs steps asynchronously, so it shows "
+        f"only now. {_fix(error, self._remat())} The state given to it "
+        f"{given}; the state it returned (and that of any step after it) "
+        "holds this error instead of values: do not pass it to "
+        "engine.step again. " + _recovery())
+
+  def _remat(self) -> RematPolicy:
+    return self._engine.remat
+
+  def _read(self, flag: Any) -> bool:
+    """A flag's value; a step that failed shows here, as its error."""
+    try:
+      return bool(flag)
+    except jax.errors.JaxRuntimeError as e:
+      raise self._failed_late(e) from e
+
+  # -------------------------------------------------------------- flags
+
   def check(self) -> None:
     """Raises if the last step overflowed at the minimum loss scale, or
-    ended ``max_consecutive_skips`` non-finite steps in a row. (Read one step
-    late, so the host never waits for the step it has just dispatched.)"""
+    ended ``max_consecutive_skips`` non-finite steps in a row, or if a
+    step failed at run time (``StepFailedError``). (Read one step late, so
+    the host never waits for the step it has just dispatched.)"""
     cfg = self._engine.config
-    flag, self._at_min = self._at_min, None
-    if flag is not None and bool(flag):
-      raise FloatingPointError(
-          f"float16 gradients overflowed at the minimum loss scale "
-          f"{cfg.min_loss_scale} (ZeroConfig.min_loss_scale): training has "
-          "diverged. Lower the learning rate, clip gradients "
-          "(clip_grad_norm), lower min_loss_scale, or train in bfloat16.")
+    last = self._pending[-1] if self._pending else None
+    if last is not None and last.at_min is not None:
+      flag, last.at_min = last.at_min, None
+      if self._read(flag):
+        raise FloatingPointError(
+            f"float16 gradients overflowed at the minimum loss scale "
+            f"{cfg.min_loss_scale} (ZeroConfig.min_loss_scale): training "
+            "has diverged. Lower the learning rate, clip gradients "
+            "(clip_grad_norm), lower min_loss_scale, or train in "
+            "bfloat16.")
     # (Two steps late with delay_update, whose host update of the last
     # step runs while the device computes this one.)
     lag = 2 if cfg.delay_update else 1
-    while len(self._skipped) >= lag:
-      self._skips = self._skips + 1 if bool(self._skipped.pop(0)) else 0
+    while len(self._pending) >= lag:
+      d = self._pending[0]
+      if d.skipped is None:
+        # (No skip flag: one output, read, tells whether the step failed.)
+        self._read(d.outputs[-1])
+        self._pending.pop(0)
+        continue
+      skipped = self._read(d.skipped)
+      self._pending.pop(0)
+      self._skips = self._skips + 1 if skipped else 0
       if self._skips >= cfg.max_consecutive_skips:
         raise FloatingPointError(
             f"the last {self._skips} steps had a non-finite gradient norm "

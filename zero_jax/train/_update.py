@@ -138,8 +138,8 @@ def new_state(layout, state: TrainState, master: Any, opt_state: Any,
   pl = layout.placement
   compute_params = None
   if pl.compute_copy is ComputeCopy.REPLICATED:
-    compute_params = materialize.gather_replicated(layout.param_plan, device_master,
-                                       pl.compute_dtype)
+    compute_params = materialize.gather_replicated(
+        layout.param_plan, device_master, pl.compute_dtype)
   elif pl.compute_copy is ComputeCopy.SHARDED:
     compute_params = compute_copy(pl, device_master)
   elif pl.master_regathered:
