@@ -48,7 +48,7 @@ from zero_jax import analysis
 from zero_jax import metrics as zm
 from zero_jax.analysis import (paper_model_state_bytes, param_count,
                              per_device_bytes)
-from zero_jax.layout import DATA
+from zero_jax.layout import DATA, MODEL
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
 
 zj.simulate_cpu_devices(8)  # before anything lists devices
@@ -101,6 +101,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace,
   p.add_argument("--replica", type=int, default=1,
                  help="replica groups: state sharded inside each group of "
                  "devices // replica devices, replicated across groups")
+  p.add_argument("--model-parallel", type=int, default=1, metavar="M",
+                 help="tensor parallelism: groups of M devices split the "
+                 "GPT Megatron-style (its own specs); ZeRO shards over the "
+                 "devices // (replica * M) data-parallel ranks")
   p.add_argument("--compute-dtype", default=None,
                  choices=("bfloat16", "float16", "float32"),
                  help="forward/backward and gathered params in this dtype "
@@ -329,6 +333,7 @@ def memory_table(loss_fn, tx, params, batch, mesh, config, title,
   ``params`` and ``batch`` (any mesh, real or compile-only devices) and
   prints per-device memory, saying each compile as it goes."""
   n = mesh.shape[DATA]
+  m = dict(mesh.shape).get(MODEL, 1)
   psi = param_count(params)
   shapes = jax.eval_shape(lambda p: p, params)  # nothing is placed
   rows = []
@@ -350,13 +355,18 @@ def memory_table(loss_fn, tx, params, batch, mesh, config, title,
     low = config.compute_dtype is not None
     paper = paper_model_state_bytes(psi, n, stage, param_bytes=2 if low else 4,
                                     grad_bytes=2 if low else 4,
-                                    k=12 if low else 8)
+                                    k=12 if low else 8, model_parallel=m)
     # zero_jax's analytic model of its own layouts, told which leaves stay
     # replicated (small or indivisible).
     est = zj.estimate_memory(
         psi, mesh.size, stage, optimizer="adamw",
-        compute_dtype=config.compute_dtype, replica=mesh.size // n,
-        replicated=engine.param_plan.replicated_elements)
+        compute_dtype=config.compute_dtype, replica=mesh.size // (n * m),
+        model_parallel=m,
+        # (per model rank: a leaf split over 'model' holds 1/m there; the
+        # estimate splits Ψ evenly over the ranks, which caps the count)
+        replicated=min(psi / m, sum(
+            int(np.prod(lp.shape)) // (m if lp.model_split else 1)
+            for _, lp in engine.param_plan.rows() if not lp.sharded)))
     rows.append((stage, measured, est.persistent, paper, mem.temp, mem.peak))
 
   print(f"\nPer-device memory of the {title}, Ψ = {psi:,} parameters, "
@@ -410,8 +420,10 @@ def main() -> None:
                  "process only: run without the launcher, or drop --plot")
   say = print if zj.distributed.is_main_process() else lambda *a, **k: None
   t_start = time.perf_counter()
-  mesh = zj.make_mesh(num_devices=args.devices, replica=args.replica)
+  mesh = zj.make_mesh(num_devices=args.devices, replica=args.replica,
+                      model=args.model_parallel)
   n = mesh.size
+  n_batch = n // args.model_parallel  # (the batch is split over replica x data)
 
   data = load_stdlib_bytes()
   split = int(len(data) * (1 - VAL_FRACTION))
@@ -450,8 +462,8 @@ def main() -> None:
   say(f"run: {vars(args)}")
   say(f"zero config: {zero_config}")
   say(f"global batch {batch_size} = {engine.grad_accum_steps} "
-        f"micro-batch(es) x {n} device(s) x "
-        f"{batch_size // (engine.grad_accum_steps * n)} sequences\n")
+        f"micro-batch(es) x {n_batch} data-parallel rank(s) x "
+        f"{batch_size // (engine.grad_accum_steps * n_batch)} sequences\n")
   say(engine.describe(), "\n")
 
   # ---------------------------------------------------------------- train

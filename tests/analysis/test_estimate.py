@@ -1,6 +1,7 @@
 """The analytic estimator: hand counts, the compiled step, and the CLI."""
 
 import dataclasses
+import decimal
 import math
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
+from tests._gpu import compiles_for_gpus
 from zero_jax import analysis
 from zero_jax.analysis import (Estimate, bytes_by_memory_kind, comm_in_psi,
                                comm_volume, compiled_memory,
@@ -100,6 +102,138 @@ def test_paper_estimate_is_the_paper_formula():
   # fp32 Adam: zero_jax's stage 3 layout is exactly the paper's.
   assert (estimate_memory(psi, n, 3).model_states == paper_estimate(
       psi, n, 3, param_bytes=4, grad_bytes=4, k=8).model_states)
+
+
+# The ZeRO paper's Table 1 (arXiv:1910.02054): per-device GB (1e9 bytes) of
+# mixed-precision Adam's model states, 2Ψ + 2Ψ + 12Ψ, by DP degree; columns
+# P_os, P_os+g, P_os+g+p. As printed, to the paper's precision.
+_TABLE_1 = {
+    7.5e9: {1: ("120", "120", "120"), 4: ("52.5", "41.3", "30"),
+            16: ("35.6", "21.6", "7.5"), 64: ("31.4", "16.6", "1.88"),
+            256: ("30.4", "15.4", "0.47"), 1024: ("30.1", "15.1", "0.12")},
+    128e9: {1: ("2048", "2048", "2048"), 4: ("896", "704", "512"),
+            16: ("608", "368", "128"), 64: ("536", "284", "32"),
+            256: ("518", "263", "8"), 1024: ("513", "257", "2")},
+    1e12: {1: ("16000", "16000", "16000"), 4: ("7000", "5500", "4000"),
+           16: ("4750", "2875", "1000"), 64: ("4187", "2218", "250"),
+           256: ("4046", "2054", "62.5"), 1024: ("4011", "2013", "15.6")},
+}
+
+
+def _as_printed(gb: float, printed: str) -> set[str]:
+  """``gb`` to the decimals of ``printed``, rounded half up and cut off: the
+  paper rounds (41.25 -> 41.3) but cuts its integers (513.5 -> 513)."""
+  places = len(printed.partition(".")[2])
+  # (12 digits: the float's last bits are not the paper's.)
+  value = decimal.Decimal(f"{gb:.12g}")
+  quantum = decimal.Decimal(1).scaleb(-places)
+  return {str(value.quantize(quantum, rounding=r))
+          for r in (decimal.ROUND_HALF_UP, decimal.ROUND_FLOOR)}
+
+
+@pytest.mark.parametrize("psi", sorted(_TABLE_1))
+def test_paper_formula_reproduces_table_1(psi):
+  for dp, row in _TABLE_1[psi].items():
+    for stage, printed in zip((1, 2, 3), row):
+      gb = paper_model_state_bytes(psi, dp, stage) / 1e9
+      assert printed in _as_printed(gb, printed), (psi, dp, stage, gb)
+      assert paper_estimate(psi, dp, stage).model_states / 1e9 == (
+          pytest.approx(gb))
+    # DP 1 is plain data parallelism, 16Ψ.
+    if dp == 1:
+      assert paper_model_state_bytes(psi, 1, 0) == 16 * psi
+  # The check itself tells the printed figures apart.
+  assert _as_printed(41.25, "41.3") == {"41.3", "41.2"}
+  assert "41.3" not in _as_printed(41.45, "41.3")
+  assert "52.5" not in _as_printed(41.25, "52.5")
+
+
+def test_paper_example_with_model_parallelism():
+  # 1T parameters on 1024 GPUs as MP 16 x DP 64: 16 TB / 1024 = 15.6 GB per
+  # device at P_os+g+p.
+  assert paper_model_state_bytes(1e12, 1, 0) == 16e12
+  gb = paper_model_state_bytes(1e12, 64, 3, model_parallel=16) / 1e9
+  assert gb == 16e12 / 1024 / 1e9 == 15.625
+  assert "15.6" in _as_printed(gb, "15.6")
+  assert paper_estimate(1e12, 64, 3, model_parallel=16).model_states == (
+      15.625e9)
+  # Model parallelism splits what plain DP would hold: Ψ/M on N.
+  for stage in range(4):
+    assert paper_model_state_bytes(1e12, 64, stage, model_parallel=16) == (
+        paper_model_state_bytes(1e12 / 16, 64, stage))
+    assert paper_estimate(1e12, 64, stage, model_parallel=16) == (
+        paper_estimate(1e12 / 16, 64, stage))
+  # zero_jax's stage 3 keeps 16 bytes per parameter too (fp32 Adam; or a
+  # bf16 compute dtype: fp32 master and gradient shards), so its estimate on
+  # the 1024 devices is the paper's.
+  assert estimate_memory(1e12, 1024, 3, model_parallel=16).model_states == (
+      15.625e9)
+  assert estimate_memory(1e12, 1024, 3, model_parallel=16,
+                         compute_dtype="bfloat16").model_states == 15.625e9
+  with pytest.raises(ValueError, match="model_parallel must be an integer "
+                     ">= 1, got 0; pass the model-parallel degree M"):
+    paper_model_state_bytes(1e12, 64, 3, model_parallel=0)
+  with pytest.raises(ValueError, match="model_parallel must be an integer"):
+    paper_estimate(1e12, 64, 3, model_parallel=1.5)
+
+
+@pytest.mark.parametrize("model_parallel", [2, 4, 8])
+@pytest.mark.parametrize("options", [
+    {}, {"compute_dtype": "bfloat16"}, {"replica": 2},
+    {"compute_dtype": "bfloat16", "offload_optimizer": True},
+    {"offload_params": True},
+    {"update_on": "host", "offload_optimizer": True}])
+def test_model_parallel_holds_one_mth_of_the_state(model_parallel, options):
+  devices, mp = 64, model_parallel
+  stages = (3,) if options.get("offload_params") else range(4)
+  for stage in stages:
+    with_mp = estimate_memory(7.5e9, devices, stage, model_parallel=mp,
+                              **options)
+    without = estimate_memory(7.5e9, devices // mp, stage, **options)
+    # Exactly 1/M of the state of devices / M devices without it.
+    assert with_mp == Estimate(**{
+        f.name: getattr(without, f.name) / mp
+        for f in dataclasses.fields(Estimate)}), (stage, options)
+    assert with_mp.model_states > 0
+  # model_parallel=1 is the default.
+  assert estimate_memory(7.5e9, devices, 3, model_parallel=1, **options) == (
+      estimate_memory(7.5e9, devices, 3, **options))
+
+
+def test_model_parallel_of_three_and_what_it_leaves_alone():
+  # M need not be a power of two: 1/3 up to rounding.
+  for stage in range(4):
+    with_mp = estimate_memory(1.3e9, 24, stage, model_parallel=3)
+    without = estimate_memory(1.3e9, 8, stage)
+    assert _split(with_mp) == pytest.approx(
+        tuple(x / 3 for x in _split(without)), rel=1e-12)
+  # Activations are a per-device figure, added as given.
+  e = estimate_memory(1e9, 8, 3, model_parallel=2, activations=1e6)
+  assert e.activations == 1e6 and e.total == e.model_states + 1e6
+  # Replicated parameters count among one model rank's Ψ/M.
+  e = estimate_memory(1000, 8, 3, model_parallel=2, replicated=100)
+  assert _split(e) == (4 * 200, 4 * 200, 8 * 200)   # 400/4 + 100 each
+  with pytest.raises(ValueError, match=r"replicated=600 exceeds the psi / "
+                     r"model_parallel = 500.0 parameters of one model rank"):
+    estimate_memory(1000, 8, 3, model_parallel=2, replicated=600)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"model_parallel": 0}, "model_parallel must be an integer >= 1, got 0; "
+     "pass the model-parallel degree M"),
+    ({"model_parallel": 2.0}, "write 2, an int, not 2.0"),
+    ({"model_parallel": True}, "True/False is not a number here"),
+    ({"model_parallel": 3}, r"devices=8 is not divisible by replica=1 x "
+     r"model_parallel=3 = 3: .* choose a model_parallel \(and replica\) "
+     r"whose product divides devices"),
+    ({"model_parallel": 4, "replica": 4}, "devices=8 is not divisible by "
+     "replica=4 x model_parallel=4 = 16"),
+    # The replica check comes first, as without model parallelism.
+    ({"model_parallel": 2, "replica": 3}, "not divisible by replica=3:"),
+])
+def test_model_parallel_is_checked(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    estimate_memory(1e9, 8, 3, **kwargs)
 
 
 def test_activations_by_hand():
@@ -337,8 +471,65 @@ def test_cli_activations_and_mixed_precision(capsys):
   assert f"{acts / GIB:.3f}" in out
 
 
+def _row(out: str, name: str) -> list[str]:
+  return next(l for l in out.splitlines()
+              if l.strip().startswith(name)).split()[-2:]
+
+
+def test_cli_model_parallel(capsys):
+  # The paper's 1T model on 1024 GPUs, MP 16 x DP 64: 15.625e9 bytes.
+  assert main(["--params", "1T", "--devices", "1024", "--model-parallel",
+               "16", "--stage", "3", "--compute-dtype", "bf16"]) == 0
+  out = capsys.readouterr().out
+  assert "(model parallel M = 16, sharded over N = 64, replica groups R = 1)" \
+      in out
+  assert "Ψ/M = 62.5B parameters" in out
+  assert "stage 3: optimizer state, gradients and parameters sharded " \
+      "(model parallel M = 16, data N = 64)" in out
+  assert _row(out, "model states") == [f"{15.625e9 / GIB:.3f}"] * 2
+  # ZeRO's collectives of Ψ/M: 3Ψ/M = 0.1875Ψ.
+  assert "reduce-scatter 0.0625Ψ + all-gather 0.125Ψ; volume 0.188Ψ" in out
+  # Every row is estimate_memory's and paper_estimate's, with replica
+  # groups on top, and the activations stay as given.
+  shape = dict(layers=4, hidden=256, seq_len=128, micro_batch=2, heads=4)
+  assert main(["--params", "1.3B", "--devices", "16", "--replica", "2",
+               "--model-parallel", "2", "--stage", "1"] +
+              [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]) == 0
+  out = capsys.readouterr().out
+  assert "M = 2, sharded over N = 4, replica groups R = 2" in out
+  acts = estimate_activations(**shape, bytes_per_element=4)
+  est = estimate_memory(1.3e9, 16, 1, replica=2, model_parallel=2,
+                        activations=acts)
+  paper = paper_estimate(1.3e9, 4, 1, param_bytes=4, grad_bytes=4, k=8,
+                         model_parallel=2)
+  for name, ours, theirs in (("params", est.params, paper.params),
+                             ("gradients", est.grads, paper.grads),
+                             ("optimizer state", est.opt_state,
+                              paper.opt_state),
+                             ("total", est.total, paper.model_states)):
+    assert _row(out, name) == [f"{ours / GIB:.3f}", f"{theirs / GIB:.3f}"]
+  assert _row(out, "activations") == [f"{acts / GIB:.3f}", "-"]
+  assert "counted as without model parallelism, an upper bound" in out
+  # Without model parallelism the header says M = 1.
+  assert main(["--params", "1.3B", "--devices", "8", "--stage", "3"]) == 0
+  out = capsys.readouterr().out
+  assert "model parallel M = 1, sharded over N = 8" in out
+  assert "Ψ/M" not in out and "communication per step: " in out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--params", "1.3X", "--devices", "8"], "invalid count '1.3X'"),
+    (["--params", "1e9", "--devices", "8", "--model-parallel", "3"],
+     "--devices 8 is not divisible by --replica 1 x --model-parallel 3 = 3: "
+     "each data-parallel rank is a group of --model-parallel devices; choose "
+     "a --model-parallel (and --replica) whose product divides --devices"),
+    (["--params", "1e9", "--devices", "8", "--replica", "2",
+      "--model-parallel", "8"],
+     "--devices 8 is not divisible by --replica 2 x --model-parallel 8 = 16"),
+    (["--params", "1e9", "--devices", "8", "--model-parallel", "0"],
+     "argument --model-parallel: must be >= 1, got 0"),
+    (["--params", "1e9", "--devices", "8", "--model-parallel", "2.5"],
+     "argument --model-parallel: expected an integer, got '2.5'"),
     (["--params", "1e9", "--devices", "8", "--replica", "3"],
      "--devices 8 is not divisible by --replica 3"),
     (["--params", "1e9", "--devices", "8", "--optimizer", "adamx"],
@@ -407,3 +598,20 @@ def test_cli_offload_rows(capsys):
   assert row("host (gradients)") == pytest.approx(4 * 13e9 / 2**30,
                                                   rel=1e-3)
   assert row("model states") == pytest.approx(2 * 13e9 / 2**30, rel=1e-3)
+
+
+@compiles_for_gpus
+def test_cli_compiles_with_model_parallelism(capsys):
+  # A tiny GPT on 8 compile-only H100s as data 4 x model 2:
+  # gpu_mesh("h100", 8, model=2).
+  assert main(["--compile", "h100", "--devices", "8", "--model-parallel", "2",
+               "--stage", "3", "--compute-dtype", "bf16", "--layers", "2",
+               "--hidden", "64", "--heads", "4", "--vocab", "64",
+               "--seq-len", "16", "--micro-batch", "2"]) == 0
+  out = capsys.readouterr().out
+  peak = [line for line in out.splitlines() if "peak" in line and
+          "compiled for 8 x h100 (data 4 x model 2)" in line]
+  assert len(peak) == 1 and "GiB" in peak[0]
+  assert "model parallel M = 2, sharded over N = 4" in out
+  # --micro-batch sequences per data-parallel rank: 2 x 4.
+  assert "global batch 8 x 16 tokens" in out

@@ -293,3 +293,31 @@ def test_cli_prints_the_compiled_peak(capsys):
           "compiled for 8 x h100" in line]
   assert len(peak) == 1 and "GiB" in peak[0]
   assert "all-gather bf16" in out and "reduce-scatter f32" in out
+
+
+def test_tensor_parallel_collectives_run_along_their_axes():
+  # Compiled for 8 H100s as (data 4, model 2): ZeRO's gathers and
+  # reduce-scatters run along 'data' on each model rank's bf16 slice, the
+  # compiler's tensor-parallel collectives along 'model'.
+  # (attention="auto": the einsum under tensor parallelism.)
+  engine, c = compile_gpt("h100", N, 3, model=2, attention="auto", **_TINY)
+  mesh = engine.mesh
+  along = {}
+  for op in analysis.collectives(c.hlo):
+    along.setdefault((op.kind, op.axes(mesh)), []).append(op)
+  assert ("all-gather", ("data",)) in along, sorted(along)
+  assert ("reduce-scatter", ("data",)) in along, sorted(along)
+  assert any(axes == ("model",) for _, axes in along), sorted(along)
+  assert "bf16" in {d for op in along[("all-gather", ("data",))]
+                    for d in op.dtypes}
+  # A column-parallel layer's gather holds its model rank's half: the
+  # (d, 4 d) MLP-in layer gathers to (128, 256), never (128, 512).
+  shapes = {s for op in along[("all-gather", ("data",))] for s in op.shapes}
+  assert (128, 256) in shapes and (128, 512) not in shapes, shapes
+
+
+def test_cudnn_attention_is_refused_under_tensor_parallelism():
+  with pytest.raises(ValueError, match="attention='cudnn'.*'model'"):
+    compile_gpt("h100", N, 3, model=2, attention="cudnn",
+                compute_dtype="bfloat16", **_TINY)
+  # ("auto" takes the einsum there: the test above compiles it.)

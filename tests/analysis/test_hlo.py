@@ -1,5 +1,7 @@
 """The HLO collective parser on the line shapes XLA prints."""
 
+import pytest
+
 from zero_jax import analysis
 
 _TEXT = """
@@ -46,3 +48,30 @@ def test_loop_trip_counts_multiply():
   assert s["all-reduce"] == {"count": 1, "elements": 4, "bytes": 16}
   assert s["all-gather"] == {"count": 4, "elements": 256, "bytes": 1024}
   assert s["reduce-scatter"] == {"count": 12, "elements": 96, "bytes": 384}
+
+
+@pytest.mark.parametrize("text,groups", [
+    ("replica_groups={{0,2,4,6},{1,3,5,7}}", ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ("replica_groups=[4,2]<=[8]", ((0, 1), (2, 3), (4, 5), (6, 7))),
+    ("replica_groups=[2,4]<=[4,2]T(1,0)", ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ("replica_groups=mesh['data'=4,'model'=2] {'data'}",
+     ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], "
+     "device_ids=([4,2]T(1,0)) {'axis_1'}", ((0, 1), (2, 3), (4, 5),
+                                             (6, 7))),
+])
+def test_replica_groups_in_every_form_xla_prints(text, groups):
+  line = f"%ag = f32[8]{{0}} all-gather(%p), channel_id=1, {text}, dims"
+  assert analysis.replica_groups(line) == groups
+
+
+def test_collectives_name_the_mesh_axes_they_run_along():
+  import zero_jax as zj
+  mesh = zj.make_mesh(model=2)  # (data 4, model 2)
+  hlo = ("%a = f32[8]{0} all-gather(%p), replica_groups={{0,2,4,6},"
+         "{1,3,5,7}}, dimensions={0}\n"
+         "%b = f32[8]{0} all-reduce(%p), replica_groups=[4,2]<=[8]\n"
+         "%c = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}"
+         "\n%d = f32[8]{0} all-reduce(%p), replica_groups={{0,3},{1,2}}")
+  axes = [op.axes(mesh) for op in analysis.collectives(hlo)]
+  assert axes == [("data",), ("model",), ("data", "model"), None]

@@ -47,6 +47,7 @@ _BAD = {
     "offload_params": ["cpu", True, ["host"]],
     "update_on": ["gpu", None, True],
     "delay_update": [1, 0, "no", None],
+    "partition_activations": [1, 0, "yes", None],
     "skip_nonfinite": [1, 0, "yes", None],
     "max_consecutive_skips": [0, -1, 10.0, "10", True, 2 ** 31],
 }

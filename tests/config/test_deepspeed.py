@@ -592,10 +592,16 @@ def test_activation_checkpointing_maps_to_remat():
         "contiguous_memory_optimization": True,
         "synchronize_checkpoint_boundary": False, "number_checkpoints": 4,
         "profile": False}})
-  assert cfg.remat == "full"
-  with pytest.raises(ValueError, match="cpu_checkpointing.*remat_names"):
-    zj.from_deepspeed({"activation_checkpointing": {
-        "cpu_checkpointing": True}}, unsupported="warn")
+  assert cfg.remat == "full" and cfg.partition_activations
+  # cpu_checkpointing: the layer inputs scan_layers tags go to host memory
+  # (Pa+cpu with partition_activations).
+  cfg = zj.from_deepspeed({"activation_checkpointing": {
+      "cpu_checkpointing": True, "partition_activations": True}})
+  assert cfg.remat == "offload_to_host" and cfg.remat_names == (
+      "layer_input",) and cfg.partition_activations
+  cfg = zj.from_deepspeed({"activation_checkpointing": {
+      "cpu_checkpointing": True}})
+  assert cfg.remat_names == ("layer_input",) and not cfg.partition_activations
   cfg = _load({"activation_checkpointing": {"cpu_checkpointing": True}},
               remat_names=("mlp_hidden",))
   assert cfg.remat == "offload_to_host" and cfg.remat_names == (

@@ -89,6 +89,12 @@ def test_placement_decisions_are_enums():
 
 def test_a_mesh_axis_the_engine_does_not_use_is_an_error():
   devices = np.array(jax.devices()[:8]).reshape(4, 2)
-  mesh = jax.sharding.Mesh(devices, ("data", "model"))
-  with pytest.raises(ValueError, match="'model'.*repeat the same work"):
+  mesh = jax.sharding.Mesh(devices, ("data", "tensor"))
+  with pytest.raises(ValueError, match="'tensor'.*repeat the same work"):
     zj.Engine(m.mlp_loss, optax.adam(1e-3), _config(), mesh)
+  # 'model' is tensor parallelism's axis: parameters none of which the
+  # model splits over it would repeat the same work there too.
+  mesh = jax.sharding.Mesh(devices, ("data", "model"))
+  engine = zj.Engine(m.mlp_loss, optax.adam(1e-3), _config(), mesh)
+  with pytest.raises(ValueError, match="'model'.*repeat the same work"):
+    engine.init(m.mlp_params())

@@ -17,10 +17,12 @@
 from zero_jax.analysis._aot import (INSTALL_HINT, TARGETS, CompiledStep,
                                     abstract_batch, compile_step,
                                     gpu_devices, gpu_mesh, target_spec)
-from zero_jax.analysis._cli import main, parse_count
+from zero_jax.analysis._cli import main
+from zero_jax.analysis._arguments import parse_count
 from zero_jax.analysis._comm import comm_in_psi, comm_volume, estimate_comm
 from zero_jax.analysis._gpt_step import compile_gpt, gpt_shapes
-from zero_jax.analysis._hlo import (Collective, collectives, summarize,
+from zero_jax.analysis._hlo import (Collective, axes_of, collectives,
+                                    replica_groups, summarize,
                                     summarize_by_dtype)
 from zero_jax.analysis._measure import (CompiledMemory, bytes_by_memory_kind,
                                         compiled_memory, param_count,
@@ -40,6 +42,7 @@ __all__ = [
     "OPTIMIZER_STATE_BYTES",
     "TARGETS",
     "abstract_batch",
+    "axes_of",
     "bytes_by_memory_kind",
     "collectives",
     "comm_in_psi",
@@ -60,6 +63,7 @@ __all__ = [
     "param_count",
     "parse_count",
     "per_device_bytes",
+    "replica_groups",
     "summarize",
     "summarize_by_dtype",
     "target_spec",

@@ -140,7 +140,7 @@ def gpu_devices(target: str = "h100", count: int = 8) -> list[jax.Device]:
 
 
 def gpu_mesh(target: str = "h100", devices: int = 8, *,
-             replica: int = 1) -> jax.sharding.Mesh:
+             replica: int = 1, model: int = 1) -> jax.sharding.Mesh:
   """A ``make_mesh`` mesh of ``devices`` compile-only GPUs of ``target``.
 
   Engines built on it place offloaded state in ``pinned_host`` as they do on
@@ -148,7 +148,8 @@ def gpu_mesh(target: str = "h100", devices: int = 8, *,
   step compiles with ``compile_step``. Like ``gpu_devices`` (whose errors it
   raises), call it before anything touches JAX's devices.
   """
-  return make_mesh(devices=gpu_devices(target, devices), replica=replica)
+  return make_mesh(devices=gpu_devices(target, devices), replica=replica,
+                   model=model)
 
 
 @dataclasses.dataclass(frozen=True)

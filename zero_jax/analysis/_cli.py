@@ -14,12 +14,21 @@ Example::
   $ python -m zero_jax.estimate --compile h100 --devices 8 --stage 3 \\
       --compute-dtype bf16 --layers 24 --hidden 2048 --heads 16 \\
       --vocab 50304 --seq-len 1024 --micro-batch 16
+  $ python -m zero_jax.estimate --params 1T --devices 1024 \\
+      --model-parallel 16 --stage 3
 
 ``--compile TARGET`` also compiles the reference GPT
 (``zero_jax.models.GPT``, fused attention, AdamW) of that shape for N GPUs
 of the target (``compile_gpt``; needs the ``gpu-compile`` extra) and prints
 the compiled step's device peak, host bytes and collectives beside the
 estimate; ``--params`` is then the model's own count.
+
+``--model-parallel M`` combines ZeRO with model parallelism of degree M
+(``zero_jax.make_mesh(model=M)``): each device holds the model states of
+Ψ/M parameters, sharded over N = devices / (R x M); the communication shown
+is ZeRO's, over the data axis (the model-parallel collectives are the
+model's own). With ``--compile`` the step compiles on
+``gpu_mesh(target, devices, replica=R, model=M)``.
 
 ``--params`` takes 7.5e9, 1.3B, 125M or 350k. The paper's column uses
 fp16 params and gradients and K = 12 (fp32 master + the optimizer's state)
@@ -31,22 +40,18 @@ only when the model's shape is given.
 from __future__ import annotations
 
 import argparse
-import math
-import re
 from typing import Any, Sequence
 
 from zero_jax.analysis import _aot as aot
 from zero_jax.analysis import _comm as comm
 from zero_jax.analysis import _memory as memory
+from zero_jax.analysis._arguments import (COMPUTE_DTYPES, MAX_BYTES,
+                                        build_parser)
 from zero_jax.analysis._gpt_step import compile_gpt, gpt_shapes
 from zero_jax.analysis._measure import param_count
-from zero_jax.config import NAMED_POLICIES, REMAT_POLICIES, ZeroConfig
+from zero_jax.config import NAMED_POLICIES, ZeroConfig
 
 _GIB = 2 ** 30
-_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-_COMPUTE_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16",
-                   "bfloat16": "bfloat16", "fp16": "float16",
-                   "float16": "float16"}
 _STAGE_NAMES = {
     0: "plain data parallelism, everything replicated",
     1: "optimizer state sharded",
@@ -56,134 +61,27 @@ _STAGE_NAMES = {
 _SHAPE_ARGS = ("layers", "hidden", "seq_len", "micro_batch", "heads")
 # The largest byte count an estimate may reach: no 64-bit device or host
 # addresses more (16 EiB), so sizes beyond it are a slip, not a machine.
-_MAX_BYTES = 2.0 ** 64
-
-
-def parse_count(text: str) -> float:
-  """Parses a parameter count: ``7.5e9``, ``1.3B``, ``125M``, ``350k``.
-
-  Args:
-    text: a number, optionally with a k/M/B(G)/T suffix (any case) and
-      ``_`` or ``,`` separators.
-
-  Returns:
-    The count.
-
-  Raises:
-    argparse.ArgumentTypeError: not such a count, not finite (``1e400``),
-      or not positive.
-  """
-  m = re.fullmatch(r"\s*([0-9][0-9_,]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*"
-                   r"([kmbgt]?)\s*", text, re.IGNORECASE)
-  if not m:
-    raise argparse.ArgumentTypeError(
-        f"invalid count {text!r}: use a number such as 7.5e9, 1.3B, 125M or "
-        "350k")
-  value = float(m.group(1).replace("_", "").replace(",", ""))
-  value *= _SUFFIXES[m.group(2).lower()]
-  if not math.isfinite(value):
-    raise argparse.ArgumentTypeError(
-        f"count {text!r} is beyond a float's range: use a number such as "
-        "7.5e9 or 1.3B")
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f"count must be > 0, got {text!r}")
-  return value
-
-
-def _parsed(text: str, cast: type, expected: str) -> Any:
-  """``cast(text)``, or the argparse error for a value that is not one."""
-  try:
-    return cast(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-
-
-def _bytes_per_param(text: str) -> float:
-  """``--k``: finite bytes >= 0 (``float`` alone takes nan and inf)."""
-  value = _parsed(text, float, "a number")
-  if not (math.isfinite(value) and value >= 0):
-    raise argparse.ArgumentTypeError(
-        f"must be a finite number >= 0 (optimizer-state bytes per "
-        f"parameter, e.g. 8 for fp32 Adam), got {text!r}")
-  return value
-
-
-def _positive_int(text: str) -> int:
-  value = _parsed(text, int, "an integer")
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-  return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-  """The command line's argument parser."""
-  p = argparse.ArgumentParser(
-      prog="python -m zero_jax.estimate",
-      description="Per-device memory and communication of ZeRO stages 0-3 "
-      "under zero_jax, next to the ZeRO paper's formula.",
-      epilog="example: python -m zero_jax.estimate --params 7.5e9 "
-      "--devices 64 --stage 3")
-  p.add_argument("--params", type=parse_count, default=None,
-                 help="parameter count Ψ: 7.5e9, 1.3B, 125M, 350k "
-                 "(required unless --compile, which counts the model's)")
-  p.add_argument("--devices", type=_positive_int, required=True,
-                 help="devices in all")
-  p.add_argument("--stage", choices=("0", "1", "2", "3", "all"),
-                 default="all", help="ZeRO stage (default: all)")
-  p.add_argument("--optimizer", default="adamw",
-                 choices=sorted(memory.OPTIMIZER_STATE_BYTES),
-                 help="sets the optimizer-state bytes per parameter K "
-                 "(default adamw: 8)")
-  p.add_argument("--k", type=_bytes_per_param, default=None,
-                 help="optimizer-state bytes per parameter; overrides "
-                 "--optimizer")
-  p.add_argument("--compute-dtype", default="fp32",
-                 choices=sorted(_COMPUTE_DTYPES),
-                 help="dtype of the forward/backward (default fp32: fp32 "
-                 "training)")
-  p.add_argument("--reduce-dtype", default="fp32",
-                 choices=sorted(_COMPUTE_DTYPES),
-                 help="dtype gradients are summed in across devices "
-                 "(default fp32, as ZeroConfig)")
-  p.add_argument("--replica", type=_positive_int, default=1,
-                 help="replica groups R: state is sharded over devices / R "
-                 "and replicated over R (default 1)")
-  p.add_argument("--offload-optimizer", action="store_true",
-                 help="optimizer state (and the fp32 master where forward "
-                 "reads a compute copy) in host memory")
-  p.add_argument("--offload-params", action="store_true",
-                 help="stage 3: the fp32 master shards in host memory")
-  act = p.add_argument_group(
-      "activations (optional; all of --layers --hidden --seq-len "
-      "--micro-batch --heads)")
-  act.add_argument("--layers", type=_positive_int, help="transformer blocks")
-  act.add_argument("--hidden", type=_positive_int, help="model width")
-  act.add_argument("--seq-len", type=_positive_int, help="tokens/sequence")
-  act.add_argument("--micro-batch", type=_positive_int,
-                   help="sequences per device per step")
-  act.add_argument("--heads", type=_positive_int, help="attention heads")
-  act.add_argument("--vocab", type=_positive_int, default=None,
-                   help="vocabulary size (adds the logits)")
-  act.add_argument("--remat", choices=tuple(REMAT_POLICIES), default="full",
-                   help="per-layer rematerialization (default full; the "
-                   "analytic activations know full and none)")
-  comp = p.add_argument_group(
-      "compile (optional): the reference GPT of the shape above, compiled "
-      "for GPUs that need not be present")
-  comp.add_argument("--compile", metavar="TARGET", default=None,
-                    help="GPU to compile for: h100, h200 or a100-80gb "
-                    "(needs: pip install \"zero-jax[gpu-compile]\")")
-  comp.add_argument("--attention", default="fused",
-                    choices=("fused", "einsum", "auto", "cudnn"),
-                    help="GPTConfig.attention (default fused, which the "
-                    "recorded figures used; auto: cuDNN's flash attention)")
-  return p
-
-
 def _unit(psi: float) -> tuple[str, float]:
   """GiB for models whose plain-DP state (16Ψ bytes) reaches 1 GiB, else
-  MiB, so that small models do not print as 0.000."""
+  MiB, so that small models do not print as 0.000. (With model parallelism
+  Ψ is one model rank's, Ψ/M.)"""
   return ("GiB", _GIB) if 16 * psi >= _GIB else ("MiB", 2.0**20)
+
+
+def _data_devices(args: argparse.Namespace) -> int:
+  """N, the ``data`` axis: devices / (replica x model parallel)."""
+  return args.devices // (args.replica * args.model_parallel)
+
+
+def _zero_comm(args: argparse.Namespace, stage: int) -> dict[str, Any]:
+  """ZeRO's collectives per step on each device: those of one model rank's
+  Ψ/M parameters over its N data-parallel peers (without model parallelism,
+  ``estimate_comm`` of Ψ on all devices)."""
+  mp = args.model_parallel
+  return comm.estimate_comm(
+      args.params if mp == 1 else args.params / mp, args.devices // mp,
+      stage, compute_dtype=COMPUTE_DTYPES[args.compute_dtype],
+      reduce_dtype=COMPUTE_DTYPES[args.reduce_dtype], replica=args.replica)
 
 
 def _psi(x: float) -> str:
@@ -200,22 +98,24 @@ def _count(x: float) -> str:
 
 def _analytic_report(args: argparse.Namespace, stage: int,
                      activations: float | None) -> list[str]:
-  compute = _COMPUTE_DTYPES[args.compute_dtype]
+  compute = COMPUTE_DTYPES[args.compute_dtype]
   k = memory.optimizer_state_bytes(args.optimizer, args.k)
   est = memory.estimate_memory(args.params, args.devices, stage,
                                optimizer=args.optimizer, k=args.k,
                                compute_dtype=compute, replica=args.replica,
+                               model_parallel=args.model_parallel,
                                activations=activations,
                                offload_optimizer=args.offload_optimizer,
                                offload_params=(args.offload_params
                                                and stage == 3))
-  n = args.devices // args.replica
+  n = _data_devices(args)
   # The paper: 16-bit params/grads and an fp32 master counted in K with
   # mixed precision; fp32 params/grads and the optimizer's own K without.
   b = 2 if compute else 4
   paper = memory.paper_estimate(args.params, n, stage, param_bytes=b,
-                                grad_bytes=b, k=k + (4 if compute else 0))
-  unit = _unit(args.params)
+                                grad_bytes=b, k=k + (4 if compute else 0),
+                                model_parallel=args.model_parallel)
+  unit = _unit(args.params / args.model_parallel)
   size = lambda x: f"{x / unit[1]:.3f}"
   act = "-" if activations is None else size(est.activations)
   rows = [("params", size(est.params), size(paper.params)),
@@ -228,18 +128,22 @@ def _analytic_report(args: argparse.Namespace, stage: int,
     rows.append(("host (offloaded)", size(est.host), "-"))
   if est.host_grads:
     rows.append(("host (gradients)", size(est.host_grads), "-"))
-  lines = [f"stage {stage}: {_STAGE_NAMES[stage]}",
+  mp = args.model_parallel
+  title = f"stage {stage}: {_STAGE_NAMES[stage]}"
+  if mp > 1:
+    title += f" (model parallel M = {mp}, data N = {n})"
+  lines = [title,
            f"  {unit[0] + ' per device':<18}{'zero_jax':>12}{'paper':>12}"]
   lines += [f"  {name:<18}{ours:>12}{theirs:>12}"
             for name, ours, theirs in rows]
-  ops = comm.estimate_comm(args.params, args.devices, stage,
-                           compute_dtype=compute,
-                           reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
-                           replica=args.replica)
+  ops = _zero_comm(args, stage)
   in_psi = {kind: d["elements"] / args.params for kind, d in ops.items()}
   nbytes = comm.comm_volume({kind: d["bytes"] for kind, d in ops.items()})
   parts = " + ".join(f"{kind} {_psi(x)}" for kind, x in in_psi.items())
-  lines.append(f"  communication per step: {parts}; volume "
+  what = ("communication per step" if mp == 1 else
+          "communication per step (ZeRO's, over N; the model's own "
+          "collectives not counted)")
+  lines.append(f"  {what}: {parts}; volume "
                f"{_psi(comm.comm_volume(in_psi))} = {size(nbytes)} {unit[0]}")
   return lines
 
@@ -249,19 +153,22 @@ def _gib(x: float) -> str:
 
 
 def _compiled_report(args: argparse.Namespace, stage: int) -> list[str]:
+  # The mesh is gpu_mesh(target, devices, replica=R, model=M).
+  mp = args.model_parallel
   _, c = compile_gpt(
       args.compile, args.devices, stage, layers=args.layers,
       hidden=args.hidden, heads=args.heads, vocab=args.vocab,
       seq_len=args.seq_len, micro_batch=args.micro_batch,
-      compute_dtype=_COMPUTE_DTYPES[args.compute_dtype], remat=args.remat,
+      compute_dtype=COMPUTE_DTYPES[args.compute_dtype], remat=args.remat,
       attention=args.attention, optimizer=args.optimizer,
       replica=args.replica, offload_optimizer=args.offload_optimizer,
-      offload_params=args.offload_params and stage == 3)
+      offload_params=args.offload_params and stage == 3, model=mp)
   m = c.memory
   ops = "; ".join(
       f"{kind} {dtype} x{d['count']} {_gib(d['bytes'])} GiB"
       for (kind, dtype), d in sorted(c.collectives.items())) or "none"
-  return [f"  compiled for {args.devices} x {args.compile}: peak "
+  mesh = (f" (data {_data_devices(args)} x model {mp})" if mp > 1 else "")
+  return [f"  compiled for {args.devices} x {args.compile}{mesh}: peak "
           f"{_gib(m.peak)} GiB per device (argument {_gib(m.argument)} + "
           f"output {_gib(m.output)} + temp {_gib(m.temp)} - alias "
           f"{_gib(m.alias)}); host (pinned_host) {_gib(m.host)} GiB",
@@ -277,15 +184,16 @@ def _activations(args: argparse.Namespace) -> float | None:
       layers=args.layers, hidden=args.hidden, seq_len=args.seq_len,
       micro_batch=args.micro_batch, heads=args.heads,
       vocab=args.vocab or 0,
-      bytes_per_element=2 if _COMPUTE_DTYPES[args.compute_dtype] else 4,
+      bytes_per_element=2 if COMPUTE_DTYPES[args.compute_dtype] else 4,
       remat=args.remat)
 
 
 def report(args: argparse.Namespace) -> str:
   """The text ``main`` prints for parsed arguments."""
-  compute = _COMPUTE_DTYPES[args.compute_dtype]
+  compute = COMPUTE_DTYPES[args.compute_dtype]
   k = memory.optimizer_state_bytes(args.optimizer, args.k)
-  n = args.devices // args.replica
+  n = _data_devices(args)
+  mp = args.model_parallel
   activations = _activations(args)
   opt = f"K = {k:g}" if args.k is not None else f"{args.optimizer}, K = {k:g}"
   precision = (f"{args.compute_dtype} compute, fp32 master" if compute else
@@ -295,9 +203,15 @@ def report(args: argparse.Namespace) -> str:
            if compute else f"4-byte params and gradients, K = {k:g}")
   lines = [
       f"Ψ = {_count(args.params)} parameters on {args.devices} devices "
-      f"(sharded over N = {n}, replica groups R = {args.replica}); "
-      f"{opt} bytes/param; {precision}",
+      f"(model parallel M = {mp}, sharded over N = {n}, replica groups "
+      f"R = {args.replica}); {opt} bytes/param; {precision}",
       f"paper (arXiv:1910.02054): {paper}", ""]
+  if mp > 1:
+    lines[-1:-1] = [
+        f"model parallelism: each device holds the model states of Ψ/M = "
+        f"{_count(args.params / mp)} parameters (its model rank's slice, "
+        f"split ideally), which ZeRO shards over N = {n}; the paper's "
+        "column is its formula for Ψ/M on N"]
   for stage in _stages(args):
     lines += _analytic_report(args, stage, activations)
     if args.compile is not None:
@@ -308,7 +222,8 @@ def report(args: argparse.Namespace) -> str:
   if args.compile is not None:
     lines.append(f"compiled: zero_jax.models.GPT ({args.attention} "
                  f"attention, remat {args.remat}, {args.optimizer}), global "
-                 f"batch {args.micro_batch * args.devices} x {args.seq_len} "
+                 f"batch {args.micro_batch * args.devices // mp} x "
+                 f"{args.seq_len} "
                  f"tokens, for {args.compile} GPUs (compiled without them: "
                  "zero_jax.analysis.compile_gpt); peak = argument + output + "
                  "temp - alias.")
@@ -321,6 +236,9 @@ def report(args: argparse.Namespace) -> str:
   else:
     lines.append("activations: Korthikanti et al. (arXiv:2205.05198) "
                  f"estimate, remat={args.remat}; a planning number.")
+    if mp > 1:
+      lines.append("activations: counted as without model parallelism, an "
+                   "upper bound (tensor parallelism splits part of them).")
   return "\n".join(lines)
 
 
@@ -340,6 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(f"--devices {args.devices} is not divisible by --replica "
                  f"{args.replica}: state is sharded over devices / replica "
                  "devices")
+  group = args.replica * args.model_parallel
+  if args.devices % group:
+    parser.error(f"--devices {args.devices} is not divisible by --replica "
+                 f"{args.replica} x --model-parallel {args.model_parallel} "
+                 f"= {group}: each data-parallel rank is a group of "
+                 "--model-parallel devices; choose a --model-parallel (and "
+                 "--replica) whose product divides --devices")
   given = [a for a in _SHAPE_ARGS if getattr(args, a) is not None]
   if (given or args.vocab is not None) and len(given) < len(_SHAPE_ARGS):
     missing = [f"--{a.replace('_', '-')}" for a in _SHAPE_ARGS
@@ -384,8 +309,8 @@ def _check_config(parser: argparse.ArgumentParser,
   for stage in _stages(args):
     try:
       ZeroConfig(
-          stage=stage, compute_dtype=_COMPUTE_DTYPES[args.compute_dtype],
-          reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
+          stage=stage, compute_dtype=COMPUTE_DTYPES[args.compute_dtype],
+          reduce_dtype=COMPUTE_DTYPES[args.reduce_dtype],
           remat=args.remat if args.compile is not None else "full",
           offload_optimizer="host" if args.offload_optimizer else None,
           offload_params=("host" if args.offload_params and stage == 3
@@ -398,7 +323,7 @@ def _check_config(parser: argparse.ArgumentParser,
 def _check_estimate(parser: argparse.ArgumentParser,
                     args: argparse.Namespace) -> None:
   """Rejects sizes whose bytes overflow: not finite (1e308 parameters), or
-  beyond what a 64-bit machine addresses (``_MAX_BYTES``)."""
+  beyond what a 64-bit machine addresses (``MAX_BYTES``)."""
   shape = " ".join(f"--{a.replace('_', '-')} {getattr(args, a)}"
                    for a in (*_SHAPE_ARGS, "vocab")
                    if getattr(args, a) is not None)
@@ -406,27 +331,26 @@ def _check_estimate(parser: argparse.ArgumentParser,
     activations = _activations(args)
   except (ValueError, OverflowError) as e:
     parser.error(f"{shape}: {e}; check these sizes")
-  if activations is not None and not activations < _MAX_BYTES:
+  if activations is not None and not activations < MAX_BYTES:
     parser.error(f"{shape} give {activations:.3g} bytes of activations per "
                  "device, more than a 64-bit machine addresses (2^64 bytes, "
                  "16 EiB): check these sizes")
-  compute = _COMPUTE_DTYPES[args.compute_dtype]
+  compute = COMPUTE_DTYPES[args.compute_dtype]
   k = memory.optimizer_state_bytes(args.optimizer, args.k)
   for stage in _stages(args):
     try:
       est = memory.estimate_memory(
           args.params, args.devices, stage, optimizer=args.optimizer,
           k=args.k, compute_dtype=compute, replica=args.replica,
+          model_parallel=args.model_parallel,
           offload_optimizer=args.offload_optimizer,
           offload_params=args.offload_params and stage == 3)
-      ops = comm.estimate_comm(
-          args.params, args.devices, stage, compute_dtype=compute,
-          reduce_dtype=_COMPUTE_DTYPES[args.reduce_dtype],
-          replica=args.replica)
+      ops = _zero_comm(args, stage)
       b = 2 if compute else 4
       paper = memory.paper_estimate(
-          args.params, args.devices // args.replica, stage, param_bytes=b,
-          grad_bytes=b, k=k + (4 if compute else 0))
+          args.params, _data_devices(args), stage, param_bytes=b,
+          grad_bytes=b, k=k + (4 if compute else 0),
+          model_parallel=args.model_parallel)
     except ValueError as e:
       parser.error(f"--params {args.params:g} with --k {k:g}: {e}")
     figures = {
@@ -436,7 +360,7 @@ def _check_estimate(parser: argparse.ArgumentParser,
         "communication per step": comm.comm_volume(
             {kind: d["bytes"] for kind, d in ops.items()})}
     what, most = max(figures.items(), key=lambda item: item[1])
-    if not most < _MAX_BYTES:
+    if not most < MAX_BYTES:
       parser.error(f"--params {args.params:g} with --k {k:g} gives "
                    f"{most:.3g} bytes of {what} at stage {stage}, more "
                    "than a 64-bit machine addresses (2^64 bytes, 16 EiB): "

@@ -23,6 +23,7 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
                 micro_batch: int, compute_dtype: str | None = "bfloat16",
                 remat: str = "full", attention: str = "fused",
                 optimizer: str = "adamw", replica: int = 1,
+                model: int = 1, partition_activations: bool = False,
                 offload_optimizer: bool = False,
                 offload_params: bool = False,
                 update_on: str = "device") -> tuple[Any, aot.CompiledStep]:
@@ -37,7 +38,7 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
     devices: number of GPUs.
     stage: ZeRO stage.
     layers, hidden, heads, vocab, seq_len: the GPT's shape.
-    micro_batch: sequences per device per step.
+    micro_batch: sequences per data-parallel rank per step.
     compute_dtype: ``ZeroConfig.compute_dtype``.
     remat: ``ZeroConfig.remat``.
     attention: ``GPTConfig.attention``.
@@ -45,6 +46,9 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
       rate (``adamw``, ``adam``, ``sgd``, ``sgd_momentum``, ``lion``,
       ``adafactor``).
     replica: replica groups of the mesh.
+    model: devices per tensor-parallel group (the mesh's ``model`` axis;
+      the GPT splits itself over it Megatron-style).
+    partition_activations: ``ZeroConfig.partition_activations`` (Pa).
     offload_optimizer, offload_params, update_on: the ``ZeroConfig``
       offload options (with ``update_on="host"`` the device's program is
       compiled; the host's update is a program of its own).
@@ -68,16 +72,18 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
         getattr(optax, optimizer)(1e-4))
   # The mesh first: compile-only GPUs must be asked for before anything
   # else touches JAX's devices (see ``gpu_devices``).
-  mesh = aot.gpu_mesh(target, devices, replica=replica)
+  mesh = aot.gpu_mesh(target, devices, replica=replica, model=model)
   graphdef, params = gpt_shapes(layers=layers, hidden=hidden, heads=heads,
                                 vocab=vocab, seq_len=seq_len,
                                 attention=attention)
   config = ZeroConfig(stage=stage, compute_dtype=compute_dtype, remat=remat,
                       offload_optimizer="host" if offload_optimizer else None,
                       offload_params="host" if offload_params else None,
-                      update_on=update_on)
+                      update_on=update_on,
+                      partition_activations=partition_activations)
   engine = Engine(make_loss_fn(graphdef), tx, config, mesh)
-  batch = {"tokens": jax.ShapeDtypeStruct((micro_batch * devices,
+  # (The batch is split over the replica and data axes, not over model.)
+  batch = {"tokens": jax.ShapeDtypeStruct((micro_batch * devices // model,
                                            seq_len + 1), jnp.int32)}
   return engine, aot.compile_step(engine, params, batch)
 

@@ -40,6 +40,8 @@ class Collective:
     bytes: total result bytes, per execution.
     executions: how often one step runs it (product of enclosing loops'
       trip counts).
+    groups: its replica groups, as device ids (None where the HLO gives
+      none, or a form this parser does not read).
   """
 
   kind: str
@@ -48,6 +50,94 @@ class Collective:
   elements: int
   bytes: int
   executions: int = 1
+  groups: tuple[tuple[int, ...], ...] | None = None
+
+  def axes(self, mesh) -> tuple[str, ...] | None:
+    """The mesh axes its replica groups run along (e.g. ``("data",)`` for
+    ZeRO's gathers, ``("model",)`` for tensor parallelism's), or None where
+    the groups are unknown or follow no set of axes.
+
+    Args:
+      mesh: the mesh the step was compiled on.
+    """
+    if self.groups is None:
+      return None
+    return axes_of(self.groups, mesh)
+
+
+# replica_groups={{0,2},{1,3}}; the iota form [4,2]<=[8] or
+# [2,4]<=[4,2]T(1,0); Shardy's mesh['data'=4,'model'=2] {'data'}, with
+# the mesh's devices in another order after ", device_ids=([4,2]T(1,0))".
+_GROUPS = re.compile(r"replica_groups=(?P<g>\{\{[0-9,{} ]*\}\}|\{\}|"
+                     r"\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|"
+                     r"mesh\[[^\]]*\](?:,\s*device_ids=\([^)]*\)\)?)?"
+                     r"\s*\{[^}]*\})")
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x.strip()]
+
+
+def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+  """The replica groups of one HLO collective line, as device ids (None
+  where it has none this parser reads)."""
+  m = _GROUPS.search(line)
+  if not m:
+    return None
+  g = m.group("g")
+  if g.startswith("{"):
+    return tuple(tuple(_ints(x)) for x in re.findall(r"\{([0-9, ]+)\}", g))
+  if g.startswith("["):
+    it = re.match(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", g)
+    shape, dims = _ints(it.group(1)), _ints(it.group(2))
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if it.group(3):
+      ids = ids.transpose(_ints(it.group(3)))
+    ids = ids.reshape(shape)
+    return tuple(tuple(int(i) for i in row)
+                 for row in ids.reshape(-1, shape[-1]))
+  mm = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((?P<ids>[^{]*)\))?"
+                r"\s*\{([^}]*)\}", g)
+  sizes = [(a.strip().strip("'\""), int(n)) for a, n in
+           (x.split("=") for x in mm.group(1).split(",") if x.strip())]
+  along = [a.strip().strip("'\"") for a in mm.group(3).split(",")
+           if a.strip()]
+  names = [a for a, _ in sizes]
+  count = int(np.prod([n for _, n in sizes]))
+  ids = np.arange(count)
+  if mm.group("ids"):
+    it = re.match(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", mm.group("ids"))
+    if it is None:
+      return None
+    ids = ids.reshape(_ints(it.group(1)))
+    if it.group(2):
+      ids = ids.transpose(_ints(it.group(2)))
+  ids = ids.reshape([n for _, n in sizes])
+  keep = [names.index(a) for a in names if a not in along]
+  moved = ids.transpose(keep + [names.index(a) for a in along])
+  k = int(np.prod([dict(sizes)[a] for a in along])) if along else 1
+  return tuple(tuple(int(i) for i in row) for row in moved.reshape(-1, k))
+
+
+def axes_of(groups: tuple[tuple[int, ...], ...], mesh
+            ) -> tuple[str, ...] | None:
+  """The mesh axes along which ``groups`` run: the set of axes whose
+  groups of ``mesh`` are exactly these, or None. (An SPMD program's
+  replica groups number the devices by their place in the mesh.)"""
+  import itertools  # pylint: disable=g-import-not-at-top
+  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  names = tuple(mesh.axis_names)
+  want = sorted(tuple(sorted(g)) for g in groups)
+  for r in range(1, len(names) + 1):
+    for along in itertools.combinations(names, r):
+      keep = [names.index(a) for a in names if a not in along]
+      moved = ids.transpose(keep + [names.index(a) for a in along])
+      k = int(np.prod([mesh.shape[a] for a in along]))
+      mine = sorted(tuple(sorted(int(i) for i in row))
+                    for row in moved.reshape(-1, k))
+      if mine == want:
+        return along
+  return None
 
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s*\(")
@@ -73,7 +163,7 @@ def _parse(line: str, m: re.Match) -> Collective:
     elements += size
     nbytes += size * _DTYPE_BYTES.get(a.group("dtype"), 4)
   return Collective(m.group("kind"), tuple(shapes), tuple(dtypes), elements,
-                    nbytes)
+                    nbytes, groups=replica_groups(line))
 
 
 def collectives(hlo_text: str) -> list[Collective]:

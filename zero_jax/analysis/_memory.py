@@ -4,6 +4,9 @@ The paper (arXiv:1910.02054, section 5) counts model-state bytes per device
 for Ψ parameters on N devices, with 2-byte params and gradients and K bytes
 of optimizer state per parameter (K = 12 for mixed-precision Adam). For fp32
 training params and gradients are 4 bytes and K = 8 (Adam's two moments).
+With model parallelism of degree M (the paper's MP, e.g. tensor parallelism
+over ``zero_jax.make_mesh(model=M)``'s ``model`` axis) each device holds
+the model states of Ψ/M parameters, which ZeRO shards over the data axis.
 
 Three kinds of numbers, all exported by ``zero_jax.analysis``:
 
@@ -24,6 +27,8 @@ Example::
   est = estimate_memory(7.5e9, 64, 3, optimizer="adamw")
   est.model_states / 2**30            # GiB per device
   estimate_comm(7.5e9, 64, 3)         # {"all-gather": {...}, ...}
+  # The paper's 1T model on 1024 GPUs, MP 16 x DP 64: 15.6 GB per device.
+  paper_model_state_bytes(1e12, 64, 3, model_parallel=16) / 1e9
 """
 
 from __future__ import annotations
@@ -40,26 +45,39 @@ from zero_jax.layout import ComputeCopy, Placement
 
 def paper_model_state_bytes(psi: float, n: int, stage: int, *,
                             param_bytes: int = 2, grad_bytes: int = 2,
-                            k: int = 12) -> float:
+                            k: int = 12, model_parallel: int = 1) -> float:
   """Per-device model-state bytes of the ZeRO paper's formula.
+
+  The defaults are the paper's accounting (its Table 1, in GB = 1e9 bytes):
+  mixed-precision Adam, 2Ψ fp16 parameters + 2Ψ fp16 gradients + 12Ψ
+  optimizer state (fp32 master, momentum and variance), each of the three
+  divided by N where the stage shards it. With ``model_parallel=M`` each
+  device holds Ψ/M of it first: the paper's 1T-parameter model on 1024 GPUs
+  as MP 16 x DP 64 is ``paper_model_state_bytes(1e12, 64, 3,
+  model_parallel=16)``, 15.6 GB.
 
   Args:
     psi: parameter count Ψ.
-    n: data-parallel devices N.
+    n: data-parallel devices N (the DP degree; the devices in all are
+      N x ``model_parallel``).
     stage: 0 (plain DP), 1 (P_os), 2 (P_os+g), 3 (P_os+g+p).
     param_bytes: bytes per parameter (2 for fp16/bf16 compute, 4 for fp32).
     grad_bytes: bytes per gradient element.
     k: optimizer-state bytes per parameter (12 for mixed-precision Adam,
       8 for fp32 Adam).
+    model_parallel: model-parallel degree M (the paper's MP): devices that
+      split each data-parallel rank's copy of the model.
 
   Returns:
     Bytes per device.
 
   Raises:
-    ValueError: a size is not finite, or negative (Ψ and N also not 0), or
-      the stage is not 0-3.
+    ValueError: a size is not finite, or negative (Ψ and N also not 0), the
+      stage is not 0-3, or ``model_parallel`` is not an int >= 1.
   """
-  _check_paper_args(psi, n, stage, param_bytes, grad_bytes, k)
+  _check_paper_args(psi, n, stage, param_bytes, grad_bytes, k,
+                    model_parallel)
+  psi = _per_rank(psi, model_parallel)
   p, g, o = param_bytes * psi, grad_bytes * psi, k * psi
   if stage == 0:
     return p + g + o
@@ -132,14 +150,46 @@ class Estimate:
 
 
 def _check_paper_args(psi: float, n: int, stage: int, param_bytes: float,
-                      grad_bytes: float, k: float) -> None:
+                      grad_bytes: float, k: float,
+                      model_parallel: int) -> None:
   """The checks shared by the paper's formula and its split."""
   check_float("psi", psi, strict=True, fix=PSI_FIX)
-  check_int("n", n, 1, fix="pass the data-parallel devices N")
+  check_int("n", n, 1, fix="pass the data-parallel devices N (the DP "
+            "degree, without the model-parallel devices)")
   check_stage(stage)
   check_float("param_bytes", param_bytes, fix=BYTES_FIX)
   check_float("grad_bytes", grad_bytes, fix=BYTES_FIX)
   check_float("k", k, fix="pass optimizer-state bytes per parameter, e.g. 12")
+  _check_model_parallel(model_parallel)
+
+
+_MP_FIX = ("pass the model-parallel degree M, the devices that split each "
+           "data-parallel rank's copy of the model (1: none)")
+
+
+def _check_model_parallel(model_parallel: Any) -> int:
+  """``model_parallel`` as a Python int >= 1."""
+  return check_int("model_parallel", model_parallel, 1, fix=_MP_FIX)
+
+
+def _per_rank(psi: float, model_parallel: int) -> float:
+  """Ψ/M, the parameters of one model rank; Ψ itself (an int stays one)
+  without model parallelism, so that those results are as before."""
+  return psi if model_parallel == 1 else psi / model_parallel
+
+
+def _data_devices(devices: int, replica: int, model_parallel: int) -> int:
+  """The ``data`` axis N = devices // (replica * model_parallel)."""
+  n = data_axis(devices, replica)
+  model_parallel = _check_model_parallel(model_parallel)
+  if n % model_parallel:
+    raise ValueError(
+        f"devices={devices} is not divisible by replica={replica} x "
+        f"model_parallel={model_parallel} = {replica * model_parallel}: "
+        "each data-parallel rank is a group of model_parallel devices, and "
+        "the data axis gets devices // (replica * model_parallel); choose a "
+        "model_parallel (and replica) whose product divides devices")
+  return n // model_parallel
 
 
 def optimizer_state_bytes(optimizer: str = "adamw",
@@ -183,15 +233,21 @@ def _unplaced(pl: Placement, c: int | None) -> tuple[bool, bool, int]:
 def estimate_memory(psi: float, devices: int, stage: int, *,
                     optimizer: str = "adamw", k: float | None = None,
                     compute_dtype: Any = None, replica: int = 1,
+                    model_parallel: int = 1,
                     activations: float | None = None,
                     replicated: float = 0, offload_optimizer: bool = False,
                     offload_params: bool = False,
                     update_on: str = "device") -> Estimate:
   """Per-device bytes of zero_jax's layouts for Ψ parameters (analytic).
 
-  N = ``devices // replica`` is the ``data`` axis state is sharded over;
-  the ``replica`` groups each hold a full set of shards. K is the
-  optimizer-state bytes per parameter. With fp32 training (no
+  N = ``devices // (replica * model_parallel)`` is the ``data`` axis state
+  is sharded over; the ``replica`` groups each hold a full set of shards.
+  With ``model_parallel=M`` (``zero_jax.make_mesh(model=M)``) each device
+  holds the model states of Ψ/M parameters, its model rank's slice, and the
+  table below applies with Ψ/M for Ψ: every figure is 1/M of the one for
+  ``devices // M`` devices without model parallelism. (The ideal split: a
+  model that keeps some parameters whole on every model rank holds more.)
+  K is the optimizer-state bytes per parameter. With fp32 training (no
   ``compute_dtype``):
 
   ====== ============= ============ ===========
@@ -227,13 +283,18 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
     compute_dtype: e.g. ``"bfloat16"``; None (or a 4-byte float) for fp32
       training.
     replica: replica groups R (``devices`` must be divisible by it).
+    model_parallel: model-parallel degree M: devices that split the model
+      itself (tensor parallelism over the mesh's ``model`` axis);
+      ``devices`` must be divisible by ``replica * model_parallel``.
     activations: activation bytes per device to add (e.g. from
-      ``estimate_activations``); None for 0.
+      ``estimate_activations``); None for 0. Added as given: with model
+      parallelism pass the figure of one device of its group.
     replicated: parameters that stay replicated whatever the stage (leaves
       below ``min_shard_elements`` or with no dimension divisible by N; see
       ``Engine.describe()``). 0 gives the ideal layout; the count makes the
       estimate match a real engine to the byte, up to scalars such as
-      Adam's step count.
+      Adam's step count. With ``model_parallel`` M, those among the Ψ/M
+      parameters of one model rank (at most Ψ/M).
     offload_optimizer: ``ZeroConfig(offload_optimizer="host")``.
     offload_params: ``ZeroConfig(offload_params="host")`` (stage 3).
     update_on: ``ZeroConfig.update_on``: ``"host"`` keeps master and
@@ -245,17 +306,27 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
 
   Raises:
     ValueError: ``psi`` or ``devices`` is not finite or not > 0,
-      ``replica`` does not divide ``devices``, ``activations`` or
+      ``replica`` or ``model_parallel`` is not an int >= 1, ``replica *
+      model_parallel`` does not divide ``devices``, ``activations`` or
       ``replicated`` is negative or not finite (or ``replicated`` > ``psi``),
       or the options make an invalid ``ZeroConfig`` (its message names the
       field).
   """
   check_float("psi", psi, strict=True, fix=PSI_FIX)
-  n = data_axis(devices, replica)
+  n = _data_devices(devices, replica, model_parallel)
   check_stage(stage)
   kb = optimizer_state_bytes(optimizer, k)
   c = compute_bytes(compute_dtype)
   r = check_replicated(replicated, psi)
+  # Each device's model states are those of its model rank's Ψ/M. (Ψ as
+  # given without model parallelism: an int Ψ keeps its exact products.)
+  psi_rank = _per_rank(psi, model_parallel)
+  if r > psi_rank:
+    raise ValueError(
+        f"replicated={replicated!r} exceeds the psi / model_parallel = "
+        f"{psi_rank!r} parameters of one model rank: with model_parallel="
+        f"{model_parallel} it counts those of one rank's slice that stay "
+        "whole; pass at most psi / model_parallel")
   if activations is not None:
     check_float("activations", activations,
                 fix="pass activation bytes per device (e.g. from "
@@ -266,8 +337,8 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
   offload_params = check_bool(
       "offload_params", offload_params,
       "True stands for ZeroConfig(offload_params='host')")
-  full = lambda b: b * psi
-  sharded = lambda b: b * ((psi - r) / n + r)
+  full = lambda b: b * psi_rank
+  sharded = lambda b: b * ((psi_rank - r) / n + r)
   if offload_params and stage != 3:
     raise ValueError(f"offload_params needs stage 3, got stage={stage}: only "
                      "stage 3 shards the parameters it would stream; at "
@@ -309,17 +380,19 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
 
 
 def paper_estimate(psi: float, n: int, stage: int, *, param_bytes: int = 2,
-                   grad_bytes: int = 2, k: float = 12) -> Estimate:
+                   grad_bytes: int = 2, k: float = 12,
+                   model_parallel: int = 1) -> Estimate:
   """The paper's formula (``paper_model_state_bytes``), split by kind.
 
   Args:
     psi: parameter count Ψ.
-    n: data-parallel devices N.
+    n: data-parallel devices N (the DP degree).
     stage: 0-3.
     param_bytes: bytes per parameter (2 for mixed precision, 4 for fp32).
     grad_bytes: bytes per gradient element.
     k: optimizer-state bytes per parameter (12 for mixed-precision Adam:
       fp32 master + two moments; 8 for fp32 Adam).
+    model_parallel: model-parallel degree M: each device counts Ψ/M.
 
   Returns:
     The estimate (no activations: the paper counts model states).
@@ -327,7 +400,9 @@ def paper_estimate(psi: float, n: int, stage: int, *, param_bytes: int = 2,
   Raises:
     ValueError: as ``paper_model_state_bytes``.
   """
-  _check_paper_args(psi, n, stage, param_bytes, grad_bytes, k)
+  _check_paper_args(psi, n, stage, param_bytes, grad_bytes, k,
+                    model_parallel)
+  psi = _per_rank(psi, model_parallel)
   p, g, o = param_bytes * psi, grad_bytes * psi, k * psi
   return Estimate(params=p / n if stage >= 3 else p,
                   grads=g / n if stage >= 2 else g,

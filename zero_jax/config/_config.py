@@ -55,6 +55,20 @@ class ZeroConfig:
       ``"auto"`` (the fastest that fits the device, chosen when the step
       is first compiled). Held as a ``RematPolicy``, which equals its name.
     remat_names: the ``checkpoint_name`` tags the named policies act on.
+      ``zero_jax.scan_layers`` tags each layer's input ``"layer_input"``:
+      ``remat="offload_to_host"`` with ``remat_names=("layer_input",)``
+      keeps the layer inputs (what ``"full"`` saves) in host memory, like
+      DeepSpeed's ``cpu_checkpointing``.
+    partition_activations: ZeRO-R's Pa. With a ``model`` axis (tensor
+      parallelism), each layer input that ``zero_jax.scan_layers`` saves
+      for backward is stored split over ``model`` along the sequence
+      (dimension 1 of a ``(batch, sequence, ...)`` carry) and gathered when
+      backward needs it: 1/M of the bytes per device. With
+      ``remat="offload_to_host"`` and ``"layer_input"`` among
+      ``remat_names`` (Pa+cpu) the split inputs go to host memory. Without
+      a ``model`` axis the layer inputs are already split over ``data``
+      with the batch, and there is nothing more to split (as in DeepSpeed
+      with one model-parallel rank); ``Engine.describe()`` says so.
     device_memory_bytes: the memory per device ``remat="auto"`` fits the
       compiled step into (None: what the device reports).
     layer_classes: the blocks run one at a time (a block's parameters
@@ -153,6 +167,7 @@ class ZeroConfig:
   seed: int = 0
   remat: RematPolicy | str = RematPolicy.FULL
   remat_names: tuple[str, ...] = ()
+  partition_activations: bool = False
   device_memory_bytes: int | None = None
   layer_classes: tuple[str, ...] | None = None
   compute_dtype: str | None = None
@@ -297,6 +312,9 @@ class ZeroConfig:
     self._check("update_on", check_choice, ("device", "host"),
                 "'device' streams offloaded state through the device, "
                 "'host' updates it on the host's CPU devices.")
+    self._check("partition_activations", check_bool,
+                "True splits each saved layer input over the 'model' axis "
+                "along the sequence (ZeRO-R's Pa).")
     self._check("delay_update", check_bool,
                 "True (with update_on='host') applies each update one step "
                 "late.")

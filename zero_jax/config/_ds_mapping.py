@@ -129,7 +129,9 @@ MAPPING: tuple[DeepSpeedKey, ...] = (
                  None, "deprecated; true: \"host\" (with a warning); stage 3 "
                  "only"),
     DeepSpeedKey("activation_checkpointing.partition_activations", "remat",
-                 None, "true: \"full\" (each layer keeps only its inputs, "
+                 None, "true: \"full\" (each layer keeps only its inputs) "
+                 "and partition_activations=True (the inputs split over the "
+                 "'model' axis along the sequence; without one they are "
                  "already split over data with the batch)"),
     DeepSpeedKey("amp.enabled", "compute_dtype", None,
                  "true (NVIDIA Apex AMP): \"float16\" for opt_level O1 or "
@@ -146,8 +148,9 @@ MAPPING: tuple[DeepSpeedKey, ...] = (
     DeepSpeedKey("amp.min_loss_scale", "min_loss_scale", None,
                  "copied, with a dynamic loss_scale (absent: 1)"),
     DeepSpeedKey("activation_checkpointing.cpu_checkpointing", "remat",
-                 None, "true: \"offload_to_host\", with remat_names (a "
-                 "keyword: the checkpoint_name tags to move to host)"),
+                 None, "true: \"offload_to_host\" of the layer inputs "
+                 "scan_layers tags \"layer_input\" (remat_names, a keyword, "
+                 "replaces them with other checkpoint_name tags)"),
 )
 ROWS = {row.key: row for row in MAPPING}
 

@@ -329,18 +329,16 @@ class Translator:
       value = self.get(section, leaf, p)
       on[leaf] = value is not None and as_bool(p + leaf, value)
     if on["cpu_checkpointing"]:
-      names = self.known.get("remat_names")
-      if not names:
-        raise ValueError(
-            f"{key_name(p + 'cpu_checkpointing')} is true: it moves saved "
-            "activations to host memory; zero_jax's equivalent, "
-            "remat='offload_to_host', moves the activations tagged with "
-            "zero_jax.checkpoint_name: pass remat_names=(<your tags>,), or "
-            "set cpu_checkpointing to false")
+      # DeepSpeed moves the checkpointed layer inputs to host memory:
+      # zero_jax.scan_layers tags them "layer_input" (plus any tags of the
+      # caller's own remat_names).
+      names = tuple(self.known.get("remat_names") or ()) or ("layer_input",)
       self.set("remat", "offload_to_host", p + "cpu_checkpointing")
-      self.set("remat_names", tuple(names), p + "cpu_checkpointing")
+      self.set("remat_names", names, p + "cpu_checkpointing")
     elif on["partition_activations"]:
       self.set("remat", "full", p + "partition_activations")
+    if on["partition_activations"]:
+      self.set("partition_activations", True, p + "partition_activations")
     self.rest(section, p, set(on))
 
   # Outcome.

@@ -23,15 +23,62 @@ import warnings
 from typing import Any, Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, PartitionSpec as P
 
 from zero_jax import materialize
 from zero_jax.layers._remat import remat_policy
-from zero_jax.layout import LeafPlan
+from zero_jax.layout import MODEL, LeafPlan
+
+# The ``checkpoint_name`` of each layer's input (the scan's carry): what
+# ``remat="full"`` saves for backward. ``remat="offload_to_host"`` with this
+# name keeps it in host memory (DeepSpeed's ``cpu_checkpointing``).
+LAYER_INPUT = "layer_input"
 
 
 def _slice_plan(lp: LeafPlan) -> LeafPlan:
   """The plan of one layer slice of a stacked leaf (layer axis removed)."""
-  return LeafPlan(lp.shape[1:], lp.dim - 1)
+  return lp.sliced()
+
+
+def _model_size() -> int:
+  """Devices on an automatic ``model`` axis of the mesh being traced
+  under (1 without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or MODEL not in mesh.axis_names:
+    return 1
+  if dict(zip(mesh.axis_names, mesh.axis_types))[MODEL] != AxisType.Auto:
+    return 1
+  return mesh.shape[MODEL]
+
+
+def partition_activations(carry: Any) -> Any:
+  """ZeRO-R's Pa: each ``(batch, sequence, ...)`` leaf of ``carry`` split
+  over the ``model`` axis along the sequence (dimension 1), so the copy a
+  layer saves for backward takes 1/M of the bytes on each device; the
+  layer's first use gathers it back.
+
+  Raises:
+    ValueError: a leaf's sequence length does not divide by the axis.
+  """
+  m = _model_size()
+  if m == 1:
+    return carry
+
+  def split(x):
+    if x.ndim < 2:
+      return x
+    if x.shape[1] % m:
+      raise ValueError(
+          f"ZeroConfig.partition_activations splits each layer input "
+          f"{x.shape} over the {m} devices of '{MODEL}' along dimension 1 "
+          f"(the sequence), which {x.shape[1]} does not divide: use a "
+          f"sequence length divisible by {m}, or "
+          "partition_activations=False.")
+    return jax.lax.with_sharding_constraint(
+        x, P(None, MODEL, *([None] * (x.ndim - 2))))
+
+  return jax.tree.map(split, carry)
 
 
 def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
@@ -87,7 +134,12 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
         "ZeroConfig.compute_dtype for low-precision compute).",
         stacklevel=2)
 
+  partitioned = context.partition_activations and _model_size() > 1
+
   def body(carry, sliced):
+    # The layer input: saved for backward (remat "full"), or moved to host
+    # under this name; split over ``model`` first with Pa.
+    carry = jax.tree.map(lambda x: checkpoint_name(x, LAYER_INPUT), carry)
     layer = []
     for how, s in zip(makers, sliced):
       if how is None:
@@ -95,8 +147,13 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
       else:
         materializer, lp = how
         layer.append(materializer(lp, *s))
-    return f(carry, treedef.unflatten(layer))
+    carry, y = f(carry, treedef.unflatten(layer))
+    # (Split where the carry is made, so the loop carries it split and
+    # the copy saved for backward is the split one.)
+    return (partition_activations(carry) if partitioned else carry), y
 
   if policy is not None:
     body = jax.checkpoint(body, policy=policy)
+  if partitioned:
+    init = partition_activations(init)
   return jax.lax.scan(body, init, scanned)

@@ -1,13 +1,16 @@
 """Layout: the mesh, which dimension of each leaf is split over ``data``
-(the plan), and where each part of the state lives (the placement).
+(the plan; over ``model`` as the user's model says: ``model_specs``), and
+where each part of the state lives (the placement).
 
 Data flows config -> mesh -> plan and placement; everything the train step
 does follows from these three decisions.
 """
 
-from zero_jax.layout._mesh import (DATA, REPLICA, batch_axes, layout_mesh,
-                                   make_mesh, replica_axes,
+from zero_jax.layout._mesh import (DATA, MODEL, REPLICA, batch_axes,
+                                   layout_mesh, make_mesh, replica_axes,
                                    simulate_cpu_devices)
+from zero_jax.layout._model_specs import (LeafSpec, is_model_parallel,
+                                          model_specs)
 from zero_jax.layout._placement import (ComputeCopy, GatherFrom, Materialize,
                                         Memory, Placement, UpdateKind)
 from zero_jax.layout._plan import (LeafPlan, Plan, flat, is_plan, map_leaves,
@@ -18,7 +21,9 @@ __all__ = [
     "DATA",
     "GatherFrom",
     "LeafPlan",
+    "LeafSpec",
     "Materialize",
+    "MODEL",
     "Memory",
     "Placement",
     "Plan",
@@ -26,10 +31,12 @@ __all__ = [
     "UpdateKind",
     "batch_axes",
     "flat",
+    "is_model_parallel",
     "is_plan",
     "layout_mesh",
     "make_mesh",
     "map_leaves",
+    "model_specs",
     "plan_leaf",
     "replica_axes",
     "simulate_cpu_devices",

@@ -1,10 +1,19 @@
-"""The device mesh: a ``data`` axis, optionally inside a ``replica`` axis.
+"""The device mesh: a ``data`` axis, optionally inside a ``replica`` axis and
+around a ``model`` axis.
 
 ZeRO shards state over ``data``. With ``replica=R`` the devices form R groups
 (e.g. one per node) and state is sharded inside each group and replicated
 across groups, like PyTorch FSDP's hybrid sharding or DeepSpeed's MiCS/hpZ:
 parameter gathers stay on fast intra-group links, and only the (already
 reduce-scattered) gradient shards are all-reduced across groups.
+
+With ``model=M`` each data-parallel rank is a group of M devices that split
+the model itself (tensor parallelism, the paper's MP): the user's model says
+how its parameters split over ``model`` and the compiler inserts the
+tensor-parallel collectives, while ZeRO shards what each model rank holds
+over ``data``. ``model`` is the innermost axis, so a model group is M
+consecutive devices (one node's fast links), as in the paper's ZeRO-100B
+runs: model parallelism within a node, ZeRO across nodes.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from zero_jax._devices import is_compile_only
 
 DATA = "data"
 REPLICA = "replica"
+MODEL = "model"
 
 
 def simulate_cpu_devices(n: int = 8) -> None:
@@ -38,7 +48,7 @@ def simulate_cpu_devices(n: int = 8) -> None:
 
 def make_mesh(num_devices: int | None = None,
               devices: Sequence[jax.Device] | None = None, *,
-              replica: int = 1) -> Mesh:
+              replica: int = 1, model: int = 1) -> Mesh:
   """Makes the mesh ZeRO shards over.
 
   Args:
@@ -49,6 +59,11 @@ def make_mesh(num_devices: int | None = None,
       mesh; R > 1 gives a 2-D ``(replica, data)`` mesh of shape
       ``(R, devices // R)``: state sharded over ``data`` inside each group,
       replicated across groups, the batch split over both axes.
+    model: devices M per tensor-parallel group. M > 1 adds an innermost
+      ``model`` axis: the mesh is ``(data, model)`` or ``(replica, data,
+      model)`` with ``data = devices // (replica * M)``. The batch is split
+      over ``replica`` and ``data`` only; the model's own specs split its
+      parameters over ``model``.
 
   Returns:
     The mesh. Its axis types are ``Auto`` so that ordinary jit code (the
@@ -65,18 +80,22 @@ def make_mesh(num_devices: int | None = None,
             "jax is first used.")
       devices = devices[:num_devices]
   devices = list(devices)
-  if isinstance(replica, bool) or not isinstance(replica, int) or replica < 1:
-    raise ValueError(f"replica must be a positive int, got {replica!r}")
-  if len(devices) % replica:
+  for name, value in (("replica", replica), ("model", model)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if len(devices) % (replica * model):
     raise ValueError(
-        f"replica={replica} does not divide the {len(devices)} devices; "
-        f"choose a divisor of {len(devices)} (each replica group gets "
-        "devices // replica devices on the 'data' axis).")
-  if replica == 1:
-    return jax.make_mesh((len(devices),), (DATA,),
-                         axis_types=(AxisType.Auto,), devices=devices)
-  return jax.make_mesh((replica, len(devices) // replica), (REPLICA, DATA),
-                       axis_types=(AxisType.Auto,) * 2, devices=devices)
+        f"replica={replica} x model={model} does not divide the "
+        f"{len(devices)} devices; choose them so that replica * model "
+        f"divides {len(devices)} (the 'data' axis gets the rest: devices "
+        "// (replica * model)).")
+  shape = {REPLICA: replica, DATA: len(devices) // (replica * model),
+           MODEL: model}
+  names = tuple(a for a in (REPLICA, DATA, MODEL)
+                if a == DATA or shape[a] > 1)
+  return jax.make_mesh(tuple(shape[a] for a in names), names,
+                       axis_types=(AxisType.Auto,) * len(names),
+                       devices=devices)
 
 
 def layout_mesh(mesh: Mesh):

@@ -9,8 +9,9 @@ the layer helpers which arrays it handed to ``loss_fn``.
 
 from zero_jax.materialize._collectives import (cast, gather_from,
                                                gather_leaf, gather_replicated,
-                                               reduce_leaf, reduce_tree,
-                                               use_with_scattered_grad)
+                                               psum_leaf, reduce_leaf,
+                                               reduce_tree,
+                                               use_with_scattered_grad, zeros)
 from zero_jax.materialize._context import (LossContext, current,
                                            handing_over)
 from zero_jax.materialize._materializer import HandedParam, Materializer
@@ -25,7 +26,9 @@ __all__ = [
     "gather_leaf",
     "gather_replicated",
     "handing_over",
+    "psum_leaf",
     "reduce_leaf",
     "reduce_tree",
     "use_with_scattered_grad",
+    "zeros",
 ]

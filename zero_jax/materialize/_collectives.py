@@ -7,6 +7,15 @@ dimension) and for a replicated one (nothing / all-reduce). On a 2-D
 then the *shards* are all-reduced across groups (the cheap order: Ψ/N
 elements cross the slow links, not Ψ).
 
+With a ``model`` axis (tensor parallelism) the step is manual over the batch
+axes only and automatic over ``model``. A collective over ``data`` there
+would see each operand whole over ``model``: XLA's partitioner all-gathers a
+model-split parameter over ``model`` before gathering it over ``data``
+(measured: M times the bytes, and the whole layer on every device). So each
+collective on a model-split leaf runs in a region manual over ``model`` too
+(``_region``): every model rank gathers and reduce-scatters only its own
+slice, and the result leaves the region split over ``model`` again.
+
 Mixed precision: ``compute_dtype`` is the dtype parameters are gathered and
 used in (half the bytes of fp32 for bf16/fp16); ``reduce_dtype`` the dtype
 gradients are summed in. ``None`` keeps the array's own dtype.
@@ -21,8 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax._compat import varying_axes
-from zero_jax.layout import (DATA, LeafPlan, batch_axes, map_leaves,
+from zero_jax.layout import (DATA, MODEL, LeafPlan, batch_axes, map_leaves,
                              replica_axes)
+from jax.sharding import PartitionSpec as P
 
 
 def cast(x: jax.Array, dtype) -> jax.Array:
@@ -53,33 +63,101 @@ def _like_of(x: jax.Array) -> jax.Array:
   return jax.lax.pcast(z, axes, to="varying") if axes else z
 
 
-def _scatter_grad(dim: int, g: jax.Array, reduce_dtype, like: jax.Array):
+def _region(lp: LeafPlan, fn, *xs: jax.Array, in_spec: P | None = None,
+            out_spec: P | None = None, summed: tuple[str, ...] = ()):
+  """``fn(*xs)`` on each model rank's own slice of a model-split leaf (a
+  region manual over ``model``; see the module docstring); plain ``fn``
+  otherwise. The specs default to the leaf's ``model_spec``; ``summed``:
+  the batch axes ``fn`` sums over (its result is the same across them)."""
+  if not lp.model_split:
+    return fn(*xs)
+  spec = lp.model_spec
+  in_spec = spec if in_spec is None else in_spec
+  out_spec = spec if out_spec is None else out_spec
+  out = jax.shard_map(fn, in_specs=(in_spec,) * len(xs), out_specs=out_spec,
+                      axis_names={MODEL}, check_vma=not lp.both)(*xs)
+  if lp.both:
+    # A leaf split over both axes leaves (or enters) the region whole over
+    # ``model`` along its data dimension, which the type checker cannot
+    # follow (``_gather_data``): the result varies over the batch axes as
+    # its operand does.
+    axes = tuple(sorted(varying_axes(xs[0]) - {MODEL, *summed}))
+    if axes:
+      out = jax.lax.pcast(out, axes, to="varying")
+  return out
+
+
+def _whole_model_spec(lp: LeafPlan) -> P:
+  """The model spec of a leaf split over both axes once its data dimension
+  is whole (that dimension then whole over ``model`` too)."""
+  return P(*[None if d == lp.dim else e
+             for d, e in enumerate(lp.model_spec)])
+
+
+def _gather_data(lp: LeafPlan, x: jax.Array) -> jax.Array:
+  """All-gather of a sharded leaf over ``data`` (forward only: the
+  callers' custom rules give its transpose, ``_scatter_data``)."""
+  if not lp.both:
+    return _region(lp, lambda x: jax.lax.all_gather(x, DATA, axis=lp.dim,
+                                                    tiled=True), x)
+  # Data major: block (d, m) of the dimension is on device (d, m), so
+  # gathering over ``model`` first gives data block d, then over ``data``
+  # the whole dimension.
+  return _region(
+      lp, lambda x: jax.lax.all_gather(
+          jax.lax.all_gather(x, MODEL, axis=lp.dim, tiled=True), DATA,
+          axis=lp.dim, tiled=True), x, out_spec=_whole_model_spec(lp))
+
+
+def _scatter_data(lp: LeafPlan, g: jax.Array) -> jax.Array:
+  """Reduce-scatter of a whole gradient over ``data`` into the leaf's
+  shard (then summed across replica groups by the caller)."""
+  if not lp.both:
+    return _region(lp, lambda g: jax.lax.psum_scatter(
+        g, DATA, scatter_dimension=lp.dim, tiled=True), g)
+
+  def own(g):
+    # g is the whole dimension, the same on every model rank: keep this
+    # rank's block of each data block, then reduce-scatter over data.
+    n, m = jax.lax.axis_size(DATA), jax.lax.axis_size(MODEL)
+    shape = g.shape
+    k = shape[lp.dim] // (n * m)
+    g = g.reshape(shape[:lp.dim] + (n, m, k) + shape[lp.dim + 1:])
+    g = jax.lax.dynamic_index_in_dim(g, jax.lax.axis_index(MODEL),
+                                     lp.dim + 1, keepdims=False)
+    g = g.reshape(shape[:lp.dim] + (n * k,) + shape[lp.dim + 1:])
+    return jax.lax.psum_scatter(g, DATA, scatter_dimension=lp.dim,
+                                tiled=True)
+
+  return _region(lp, own, g, in_spec=_whole_model_spec(lp))
+
+
+def _scatter_grad(lp: LeafPlan, g: jax.Array, reduce_dtype,
+                  like: jax.Array):
   """Reduce-scatter over ``data``, then all-reduce across replica groups,
   in the dtype of ``like`` (``_like_of`` the shard). Where the shard itself
   varies across groups (a block's barrier made it so: zero_jax.layers.layer), the
   sum across groups is left to that variation's transpose."""
-  g = jax.lax.psum_scatter(cast(g, reduce_dtype), DATA,
-                           scatter_dimension=dim, tiled=True)
+  g = _scatter_data(lp, cast(g, reduce_dtype))
   axes = tuple(a for a in replica_axes() if a not in varying_axes(like))
   if axes:
-    g = jax.lax.psum(g, axes)
+    g = _region(lp, lambda g: jax.lax.psum(g, axes), g, summed=axes)
   return g.astype(like.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gather_mixed(dim: int, compute_dtype, reduce_dtype, x: jax.Array):
-  return jax.lax.all_gather(_to_replica_varying(x).astype(compute_dtype),
-                            DATA, axis=dim, tiled=True)
+def _gather_mixed(lp: LeafPlan, compute_dtype, reduce_dtype, x: jax.Array):
+  return _gather_data(lp, _to_replica_varying(x).astype(compute_dtype))
 
 
-def _gather_mixed_fwd(dim, compute_dtype, reduce_dtype, x):
+def _gather_mixed_fwd(lp, compute_dtype, reduce_dtype, x):
   # Only the dtype of x is needed in backward; a zero-size residual keeps it
   # without saving the shard.
-  return (_gather_mixed(dim, compute_dtype, reduce_dtype, x), _like_of(x))
+  return (_gather_mixed(lp, compute_dtype, reduce_dtype, x), _like_of(x))
 
 
-def _gather_mixed_bwd(dim, compute_dtype, reduce_dtype, res, g):
-  return (_scatter_grad(dim, g, reduce_dtype, res),)
+def _gather_mixed_bwd(lp, compute_dtype, reduce_dtype, res, g):
+  return (_scatter_grad(lp, g, reduce_dtype, res),)
 
 
 _gather_mixed.defvjp(_gather_mixed_fwd, _gather_mixed_bwd)
@@ -98,12 +176,13 @@ def gather_leaf(lp: LeafPlan, x: jax.Array, compute_dtype=None,
   if not lp.sharded:
     # pcast first, cast second: the all-reduce (pcast's transpose) then runs
     # on the fp32 cotangent.
-    return cast(jax.lax.pcast(x, _all_axes(), to="varying"), compute_dtype)
-  if compute_dtype is None and reduce_dtype is None:
+    return cast(_region(lp, lambda x: jax.lax.pcast(x, _all_axes(),
+                                                    to="varying"), x),
+                compute_dtype)
+  if compute_dtype is None and reduce_dtype is None and not lp.both:
     # Plain autodiff: all_gather's transpose is psum_scatter.
-    return jax.lax.all_gather(_to_replica_varying(x), DATA, axis=lp.dim,
-                              tiled=True)
-  return _gather_mixed(lp.dim, compute_dtype or x.dtype, reduce_dtype, x)
+    return _gather_data(lp, _to_replica_varying(x))
+  return _gather_mixed(lp, compute_dtype or x.dtype, reduce_dtype, x)
 
 
 def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
@@ -112,9 +191,26 @@ def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
   reduce-scatter along the split dimension, or all-reduce if replicated."""
   out_dtype = out_dtype or g.dtype
   if lp.sharded:
-    return _scatter_grad(lp.dim, g, reduce_dtype,
-                         jnp.zeros((0,), out_dtype))
-  return jax.lax.psum(cast(g, reduce_dtype), _all_axes()).astype(out_dtype)
+    return _scatter_grad(lp, g, reduce_dtype, jnp.zeros((0,), out_dtype))
+  axes = _all_axes()
+  return _region(lp, lambda g: jax.lax.psum(cast(g, reduce_dtype), axes), g,
+                 summed=axes).astype(out_dtype)
+
+
+def psum_leaf(lp: LeafPlan, x: jax.Array, axes: tuple[str, ...]
+              ) -> jax.Array:
+  """``jax.lax.psum(x, axes)`` over batch axes, on each model rank's own
+  slice of a model-split leaf."""
+  return _region(lp, lambda x: jax.lax.psum(x, axes), x, summed=axes)
+
+
+def zeros(lp: LeafPlan, shape: tuple[int, ...], dtype) -> jax.Array:
+  """Zeros of ``shape`` (the leaf's shape in the ``shard_map`` view), laid
+  out over ``model`` as the leaf is, so no device holds a whole copy."""
+  z = jnp.zeros(shape, dtype)
+  if lp.model_split:
+    z = jax.lax.with_sharding_constraint(z, lp.model_spec)
+  return z
 
 
 def reduce_tree(plans, tree, reduce_dtype=None, out_dtype=None):
@@ -124,22 +220,22 @@ def reduce_tree(plans, tree, reduce_dtype=None, out_dtype=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scatter_on_backward(dim: int, reduce_dtype, shard: jax.Array,
+def _scatter_on_backward(lp: LeafPlan, reduce_dtype, shard: jax.Array,
                          full: jax.Array):
   del shard
   return full
 
 
-def _scatter_fwd(dim, reduce_dtype, shard, full):
-  del dim, reduce_dtype
+def _scatter_fwd(lp, reduce_dtype, shard, full):
+  del lp, reduce_dtype
   return full, _like_of(shard)
 
 
-def _scatter_bwd(dim, reduce_dtype, res, g):
+def _scatter_bwd(lp, reduce_dtype, res, g):
   # The cotangent of the full copy is reduce-scattered right where backward
   # produces it and becomes the cotangent of the shard; the full copy itself
   # gets none (it is not what we differentiate with respect to).
-  return (_scatter_grad(dim, g, reduce_dtype, res), jnp.zeros_like(g))
+  return (_scatter_grad(lp, g, reduce_dtype, res), jnp.zeros_like(g))
 
 
 _scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)
@@ -151,31 +247,30 @@ def use_with_scattered_grad(lp: LeafPlan, shard: jax.Array,
   gradient with respect to ``shard`` is the reduce-scattered gradient of
   ``full`` (summed in ``reduce_dtype``, returned in ``shard``'s dtype),
   computed as soon as backward reaches this use (ZeRO-2)."""
-  return _scatter_on_backward(lp.dim, reduce_dtype, shard, full)
+  return _scatter_on_backward(lp, reduce_dtype, shard, full)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _gather_from(dim: int, compute_dtype, reduce_dtype, to_device: bool,
+def _gather_from(lp: LeafPlan, compute_dtype, reduce_dtype, to_device: bool,
                  grad_to_host: bool, stand_in: jax.Array, source: jax.Array):
   del stand_in, grad_to_host
   if to_device:
     source = jax.device_put(source, jax.memory.Space.Device)
-  return jax.lax.all_gather(_to_replica_varying(source).astype(compute_dtype),
-                            DATA, axis=dim, tiled=True)
+  return _gather_data(lp, _to_replica_varying(source).astype(compute_dtype))
 
 
-def _gather_from_fwd(dim, compute_dtype, reduce_dtype, to_device,
+def _gather_from_fwd(lp, compute_dtype, reduce_dtype, to_device,
                      grad_to_host, stand_in, source):
-  out = _gather_from(dim, compute_dtype, reduce_dtype, to_device,
+  out = _gather_from(lp, compute_dtype, reduce_dtype, to_device,
                      grad_to_host, stand_in, source)
   return out, _like_of(stand_in)
 
 
-def _gather_from_bwd(dim, compute_dtype, reduce_dtype, to_device,
+def _gather_from_bwd(lp, compute_dtype, reduce_dtype, to_device,
                      grad_to_host, res, g):
   # The source gets no gradient (None: a symbolic zero, which also suits a
   # source in host memory).
-  grad = _scatter_grad(dim, g, reduce_dtype, res)
+  grad = _scatter_grad(lp, g, reduce_dtype, res)
   if grad_to_host:
     # ZeRO-Offload: the gradient shard leaves the device as soon as
     # backward has made it.
@@ -200,7 +295,7 @@ def gather_from(lp: LeafPlan, stand_in: jax.Array, source: jax.Array,
   ``stand_in``'s dtype (a zero-valued fp32 array of the shard's shape), in
   host memory if ``grad_to_host``.
   """
-  return _gather_from(lp.dim, compute_dtype or source.dtype, reduce_dtype,
+  return _gather_from(lp, compute_dtype or source.dtype, reduce_dtype,
                       to_device, grad_to_host, stand_in, source)
 
 
@@ -212,13 +307,13 @@ def gather_replicated(plan: Any, tree: Any, dtype: Any = None) -> Any:
 
   def gather(lp, x):
     x = cast(x, dtype)
-    return (jax.lax.all_gather(x, DATA, axis=lp.dim, tiled=True)
-            if lp.sharded else x)
+    return _gather_data(lp, x) if lp.sharded else x
 
   fn = jax.shard_map(
       lambda t: map_leaves(gather, plan.leaves, t),
       mesh=plan.mesh, in_specs=(plan.specs,),
       out_specs=plan.replicated_specs,
+      axis_names=set(batch_axes(plan.mesh)),
       # all_gather's result is typed device-varying, but it is identical on
       # every device by construction.
       check_vma=False)

@@ -38,6 +38,7 @@ class LossContext:
     units: the repeated blocks of the parameter tree
       (``zero_jax.layers.find_units``).
     layer_classes: ``ZeroConfig.layer_classes``.
+    partition_activations: ``ZeroConfig.partition_activations``.
     seen: filled while tracing: the units run, ``{name: calls}``.
   """
 
@@ -47,16 +48,19 @@ class LossContext:
   full: tuple[Any, ...] = ()
   units: tuple[Any, ...] = ()
   layer_classes: tuple[str, ...] | None = None
+  partition_activations: bool = False
   seen: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def of(cls, params: list[HandedParam], remat: str = "full",
          remat_names: tuple[str, ...] = (), *, full: Any = (),
          units: tuple[Any, ...] = (),
-         layer_classes: tuple[str, ...] | None = None) -> "LossContext":
+         layer_classes: tuple[str, ...] | None = None,
+         partition_activations: bool = False) -> "LossContext":
     """The context for these handed-over parameters."""
     return cls({id(p.array): p for p in params}, remat, tuple(remat_names),
-               tuple(jax.tree.leaves(full)), tuple(units), layer_classes)
+               tuple(jax.tree.leaves(full)), tuple(units), layer_classes,
+               partition_activations)
 
   def unit_of(self, leaves: list[Any]) -> Any:
     """The unit whose parameters are exactly ``leaves`` (the arrays handed

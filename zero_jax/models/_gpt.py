@@ -9,6 +9,16 @@ The transformer blocks are *stacked*: each block parameter is a single
 depth and gives ZeRO few, large leaves to shard (the planner keeps the layer
 axis whole, so the scan slices one layer without touching the others).
 
+Tensor parallelism, Megatron style: each parameter's Flax ``out_sharding``
+metadata (``nnx.get_partition_spec``) splits it over the mesh axis
+``"model"``: QKV and MLP-in column-parallel, attention-out and MLP-out
+row-parallel, embedding and head by vocabulary; the layer axis, norms,
+position embedding and row-parallel biases whole. QKV's columns are packed
+head-major, ``(n_heads, 3, head_dim)``, so that M ranks (M dividing
+``n_heads``) each hold whole heads: attention needs no resharding. Under
+``jax.set_mesh`` of a mesh with a ``model`` axis the parameters are made so
+split; elsewhere the metadata is only carried.
+
 Example::
 
   model = GPT(GPTConfig(), rngs=nnx.Rngs(0))
@@ -29,19 +39,15 @@ import optax
 from flax import nnx
 
 from zero_jax import _compat
-from zero_jax._compat import varying_axes
 from zero_jax.config import REMAT_POLICIES
 from zero_jax.layers import checkpoint_name, scan_layers
+from zero_jax.layout import MODEL
+from zero_jax.models._xent import chunked_cross_entropy
 
 # Names of the stacked per-layer parameters, in the order the block uses them.
-BLOCK_PARAMS = (
-    "ln1_scale", "ln1_bias",
-    "attn_qkv",
-    "attn_out", "attn_out_bias",
-    "ln2_scale", "ln2_bias",
-    "mlp_in", "mlp_in_bias",
-    "mlp_out", "mlp_out_bias",
-)
+BLOCK_PARAMS = ("ln1_scale", "ln1_bias", "attn_qkv", "attn_out",
+                "attn_out_bias", "ln2_scale", "ln2_bias", "mlp_in",
+                "mlp_in_bias", "mlp_out", "mlp_out_bias")
 
 _LN_EPS = 1e-5
 ATTENTIONS = ("auto", "einsum", "fused", "cudnn")
@@ -64,11 +70,11 @@ class GPTConfig:
       step is compiled for an NVIDIA GPU and cuDNN takes the shape, bf16 or
       fp16 heads of at most 128 features in multiples of 8; ``"einsum"``
       everywhere else, so CPU programs are unchanged; without JAX's CUDA
-      plugin, which no GPU program can be compiled without, the einsum is
-      all that is traced), ``"einsum"``
-      (explicit scores and float32 softmax, the reference), ``"fused"``
-      (``jax.nn.dot_product_attention``, XLA's choice of implementation) or
-      ``"cudnn"`` (cuDNN's always: GPU only).
+      plugin, or with the heads split over a ``model`` axis, the einsum is
+      all that is traced), ``"einsum"`` (explicit scores and float32
+      softmax, the reference), ``"fused"`` (``jax.nn.dot_product_attention``,
+      XLA's choice of implementation) or ``"cudnn"`` (cuDNN's always: GPU
+      only).
     loss_chunk: ``make_loss_fn``'s loss takes the head and the
       cross-entropy this many tokens at a time (``chunked_cross_entropy``),
       so the float32 logits and their gradient are never whole; None: all
@@ -166,6 +172,16 @@ def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.einsum("bhqk,bhkd->bhqd", probs, v).transpose(0, 2, 1, 3)
 
 
+def _split_over_model() -> bool:
+  """Whether the program being traced has an automatic ``model`` axis of
+  more than one device (tensor parallelism)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or MODEL not in mesh.axis_names or mesh.shape[MODEL] == 1:
+    return False
+  return dict(zip(mesh.axis_names, mesh.axis_types))[MODEL] == \
+      jax.sharding.AxisType.Auto
+
+
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
             attention: str) -> jax.Array:
   """Causal attention of (B, T, H, hd) heads by the named implementation."""
@@ -175,6 +191,18 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
   cudnn = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="cudnn")
+  if _split_over_model():
+    # JAX's cuDNN attention cannot be partitioned over an automatic axis
+    # inside the engine's shard_map (its partitioner fails on the sharding
+    # it is handed, jax 0.10-0.12): the einsum, which the compiler splits
+    # by heads.
+    if attention == "cudnn":
+      raise ValueError(
+          "GPTConfig.attention='cudnn' cannot run with the heads split over "
+          f"the mesh's '{MODEL}' axis (JAX's cuDNN attention is not "
+          "partitioned there): use attention='auto' (the einsum under "
+          "tensor parallelism) or 'einsum'")
+    return _einsum_attention(q, k, v)
   if attention == "cudnn":
     if not _compat.cudnn_detected():
       raise RuntimeError(
@@ -199,15 +227,16 @@ def causal_self_attention(x: jax.Array, qkv_w: jax.Array,
                           n_heads: int, attention: str = "einsum"
                           ) -> jax.Array:
   """Multi-head causal self-attention of ``x`` (B, T, d) -> (B, T, d), by
-  ``GPTConfig.attention``'s implementation."""
-  b, t, d = x.shape
+  ``GPTConfig.attention``'s implementation. ``qkv_w``'s columns are
+  ``(n_heads, 3, head_dim)``: a model rank's contiguous share of them (its
+  ``n_heads / M`` heads) and of ``out_w``'s rows gives its partial sum."""
+  b, t, _ = x.shape
   # No QKV bias: a key bias adds the same q.b to every score of a row, which
   # softmax ignores, so its true gradient is zero and Adam-like optimizers
   # would amplify pure rounding noise into it.
-  qkv = x @ qkv_w                                             # (B, T, 3d)
-  q, k, v = (a.reshape(b, t, n_heads, d // n_heads)
-             for a in jnp.split(qkv, 3, axis=-1))
-  return _attend(q, k, v, attention).reshape(b, t, d) @ out_w + out_b
+  qkv = (x @ qkv_w).reshape(b, t, n_heads, 3, -1)
+  q, k, v = (qkv[:, :, :, i] for i in range(3))       # each (B, T, H, hd)
+  return _attend(q, k, v, attention).reshape(b, t, -1) @ out_w + out_b
 
 
 def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
@@ -252,6 +281,14 @@ def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
 # ------------------------------------------------------------------ modules
 
 
+def _param(value: jax.Array, *split: str | None) -> nnx.Param:
+  # split: per dimension, MODEL or None. Flax shards by it eagerly (unless
+  # nnx.use_eager_sharding is off), which needs a mesh with a model axis.
+  eager = (nnx.using_eager_sharding() and
+           MODEL in jax.sharding.get_abstract_mesh().axis_names)
+  return nnx.Param(value, out_sharding=split, eager_sharding=eager)
+
+
 class Blocks(nnx.Module):
   """The stacked parameters of all ``n_layers`` transformer blocks.
 
@@ -260,7 +297,7 @@ class Blocks(nnx.Module):
   """
 
   def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-    L, d, f = config.n_layers, config.d_model, config.ff_dim
+    L, d, f, H = config.n_layers, config.d_model, config.ff_dim, config.n_heads
     std = 0.02
     # GPT-2: scale the projections that write into the residual stream by
     # 1/sqrt(2 L) so the stream's variance does not grow with depth.
@@ -270,17 +307,21 @@ class Blocks(nnx.Module):
     zeros = lambda *shape: jnp.zeros(shape, jnp.float32)
     ones = lambda *shape: jnp.ones(shape, jnp.float32)
 
-    self.ln1_scale = nnx.Param(ones(L, d))
-    self.ln1_bias = nnx.Param(zeros(L, d))
-    self.attn_qkv = nnx.Param(normal((L, d, 3 * d), std))
-    self.attn_out = nnx.Param(normal((L, d, d), out_std))
-    self.attn_out_bias = nnx.Param(zeros(L, d))
-    self.ln2_scale = nnx.Param(ones(L, d))
-    self.ln2_bias = nnx.Param(zeros(L, d))
-    self.mlp_in = nnx.Param(normal((L, d, f), std))
-    self.mlp_in_bias = nnx.Param(zeros(L, f))
-    self.mlp_out = nnx.Param(normal((L, f, d), out_std))
-    self.mlp_out_bias = nnx.Param(zeros(L, d))
+    self.ln1_scale = _param(ones(L, d), None, None)
+    self.ln1_bias = _param(zeros(L, d), None, None)
+    # Drawn [q | k | v] (the packing before head-major), then stored
+    # head-major: a seed gives the same model as it did then.
+    qkv = normal((L, d, 3 * d), std).reshape(L, d, 3, H, d // H)
+    self.attn_qkv = _param(qkv.swapaxes(2, 3).reshape(L, d, 3 * d),
+                           None, None, MODEL)
+    self.attn_out = _param(normal((L, d, d), out_std), None, MODEL, None)
+    self.attn_out_bias = _param(zeros(L, d), None, None)
+    self.ln2_scale = _param(ones(L, d), None, None)
+    self.ln2_bias = _param(zeros(L, d), None, None)
+    self.mlp_in = _param(normal((L, d, f), std), None, None, MODEL)
+    self.mlp_in_bias = _param(zeros(L, f), None, MODEL)
+    self.mlp_out = _param(normal((L, f, d), out_std), None, MODEL, None)
+    self.mlp_out_bias = _param(zeros(L, d), None, None)
 
   def stacked(self) -> dict[str, jax.Array]:
     """The stacked arrays, keyed by ``BLOCK_PARAMS`` (each ``(L, ...)``)."""
@@ -297,17 +338,15 @@ class GPT(nnx.Module):
 
   def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
     self.config = config
-    d = config.d_model
-    self.tok_emb = nnx.Param(
-        0.02 * jax.random.normal(rngs.params(), (config.vocab_size, d)))
-    self.pos_emb = nnx.Param(
-        0.02 * jax.random.normal(rngs.params(), (config.seq_len, d)))
+    d, v = config.d_model, config.vocab_size
+    normal = lambda *shape: 0.02 * jax.random.normal(rngs.params(), shape)
+    self.tok_emb = _param(normal(v, d), MODEL, None)
+    self.pos_emb = _param(normal(config.seq_len, d), None, None)
     self.blocks = Blocks(config, rngs=rngs)
-    self.ln_f_scale = nnx.Param(jnp.ones((d,), jnp.float32))
-    self.ln_f_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+    self.ln_f_scale = _param(jnp.ones((d,), jnp.float32), None)
+    self.ln_f_bias = _param(jnp.zeros((d,), jnp.float32), None)
     # Untied from tok_emb: simpler to shard and to reason about.
-    self.head = nnx.Param(
-        0.02 * jax.random.normal(rngs.params(), (d, config.vocab_size)))
+    self.head = _param(normal(d, v), None, MODEL)
 
   def __call__(self, tokens: jax.Array, *,
                rng: jax.Array | None = None) -> jax.Array:
@@ -385,99 +424,3 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
     return losses.mean()
 
   return loss_fn
-
-
-def chunked_cross_entropy(h: jax.Array, head: jax.Array, labels: jax.Array,
-                          chunk: int) -> jax.Array:
-  """The mean cross-entropy of ``(h @ head)`` against ``labels``, ``chunk``
-  tokens at a time.
-
-  The same value as computing the float32 logits whole, but they (and their
-  gradient) exist one chunk at a time. At the 1.3B GPT's batch 16 x 1024
-  and vocabulary 50304 the whole logits are 3.3 GB. Differentiated, it is a
-  fused cross-entropy: forward takes each chunk's loss and its gradients
-  with respect to ``h`` and ``head`` at once, and backward only scales
-  them, so the head's matmul is not run again (which remat of the chunks
-  would do: 2.6% of the 1.3B GPT's step FLOPs, 10% of the 125M's). Not
-  differentiated (evaluation), it takes the loss alone.
-
-  Args:
-    h: hidden states (..., d).
-    head: the output projection (d, vocab).
-    labels: int token ids, ``h``'s shape without ``d``.
-    chunk: tokens per chunk; must divide the number of tokens.
-
-  Raises:
-    ValueError: ``chunk`` does not divide the number of tokens.
-  """
-  d = h.shape[-1]
-  h, labels = h.reshape(-1, d), labels.reshape(-1)
-  n = h.shape[0]
-  if n % chunk:
-    raise ValueError(f"loss_chunk {chunk} must divide the {n} tokens of "
-                     f"the step's batch on each device; e.g. "
-                     f"{math.gcd(n, chunk)}")
-  # Inside shard_map: the three typed alike (varying over the same mesh
-  # axes), so that each cotangent is typed as its primal.
-  axes = (varying_axes(h) | varying_axes(head)) | varying_axes(labels)
-  h, head, labels = (_vary(x, axes) for x in (h, head, labels))
-  return _fused_cross_entropy(h.reshape(n // chunk, chunk, d), head,
-                              labels.reshape(n // chunk, chunk))
-
-
-def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
-  missing = tuple(sorted(axes - varying_axes(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _chunk_logits(h_c: jax.Array, head: jax.Array) -> jax.Array:
-  return (h_c @ head).astype(jnp.float32)
-
-
-@jax.custom_vjp
-def _fused_cross_entropy(h: jax.Array, head: jax.Array,
-                         labels: jax.Array) -> jax.Array:
-  """Mean cross-entropy of chunked ``h`` (chunks, chunk, d)."""
-  # (The loss alone, for evaluation: per-chunk sums, no carry.)
-  sums = jax.lax.map(
-      lambda xs: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(
-          _chunk_logits(xs[0], head), xs[1])), (h, labels))
-  return jnp.sum(sums) / (h.shape[0] * h.shape[1])
-
-
-def _fused_forward(h, head, labels):
-  axes = varying_axes(h)
-
-  def body(dhead, xs):
-    h_c, l_c = xs
-    logits = _chunk_logits(h_c, head)
-    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    loss = jnp.sum(lse[:, 0] - jnp.take_along_axis(
-        logits, l_c[:, None], axis=-1)[:, 0])
-    # d(sum of losses)/d logits = softmax - one_hot, in the compute dtype as
-    # autodiff would give it. The mean's 1/n and the loss scale come in
-    # backward: taken here, 1/n would underflow float16 (and the loss
-    # scale is there to prevent that).
-    dlogits = (jnp.exp(logits - lse) - jax.nn.one_hot(
-        l_c, logits.shape[-1], dtype=jnp.float32)).astype(h.dtype)
-    dh_c = dlogits @ head.T
-    # (Summed over every token: float32, or float16 could overflow.)
-    dhead = dhead + jnp.dot(h_c.T, dlogits,
-                            preferred_element_type=jnp.float32)
-    return dhead, (loss, dh_c)
-
-  zero = _vary(jnp.zeros(head.shape, jnp.float32), axes)
-  dhead, (sums, dh) = jax.lax.scan(body, zero, (h, labels))
-  # (A zero-size array carries head's dtype to backward.)
-  return (jnp.sum(sums) / (h.shape[0] * h.shape[1]),
-          (dh, dhead, jnp.zeros((0,), head.dtype)))
-
-
-def _fused_backward(residuals, g):
-  dh, dhead, head_like = residuals
-  scale = g.astype(jnp.float32) / (dh.shape[0] * dh.shape[1])
-  return ((dh.astype(jnp.float32) * scale).astype(dh.dtype),
-          (dhead * scale).astype(head_like.dtype), None)
-
-
-_fused_cross_entropy.defvjp(_fused_forward, _fused_backward)

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from zero_jax import layers
 from zero_jax.config import RematPolicy, ZeroConfig
-from zero_jax.layout import DATA, REPLICA, Placement, Plan
+from zero_jax.layout import DATA, MODEL, REPLICA, Placement, Plan
 from zero_jax.train import _auto_remat, _init
 from zero_jax.train._grads import Loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
@@ -51,11 +51,20 @@ class Engine:
     config: the ZeRO config.
     mesh: a mesh from ``make_mesh``: a ``data`` axis (state is sharded over
       it), optionally inside a ``replica`` axis (state replicated across it,
-      gradient shards all-reduced across it).
+      gradient shards all-reduced across it) and around a ``model`` axis
+      (tensor parallelism: the model's own specs split its parameters over
+      it, and the compiler inserts the tensor-parallel collectives).
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux (a pytree of arrays)
       is averaged over devices into the step's metrics under ``"aux"``.
     with_rng: ``loss_fn`` takes a third argument, a PRNG key that differs on
       every step, micro-batch and device: use it for dropout.
+    model_specs: with a ``model`` axis, a pytree of ``PartitionSpec`` (the
+      structure of the parameters) saying which dimensions the model splits
+      over ``model``. Default: the parameters' Flax metadata
+      (``nnx.with_partitioning``, Linen ``nn.with_partitioning`` or logical
+      names), else the shardings of the arrays given to ``init``.
+    axis_rules: logical axis rules (``(("mlp", "model"), ("embed",
+      None), ...)``) for parameters annotated with logical names.
 
   Raises:
     ValueError: the mesh has no ``data`` axis or an axis the engine does
@@ -66,8 +75,11 @@ class Engine:
 
   def __init__(self, loss_fn: Callable[..., Any],
                tx: optax.GradientTransformation, config: ZeroConfig,
-               mesh: Mesh, *, has_aux: bool = False, with_rng: bool = False):
+               mesh: Mesh, *, has_aux: bool = False, with_rng: bool = False,
+               model_specs: Any = None, axis_rules: Any = None):
     check_mesh(mesh)
+    self.model_specs = model_specs
+    self.axis_rules = axis_rules
     self.loss = Loss(loss_fn, has_aux, with_rng)
     self.tx = tx
     self.config = config
@@ -149,10 +161,21 @@ class Engine:
     (a restore after ``init`` reuses the layout and its compiled step)."""
     if self.layout is None or self.layout.signature != signature(params):
       self.layout = Layout.build(self.config, self.mesh, params, self.tx,
-                                 placement=self.placement, batch=self.batch)
+                                 placement=self.placement, batch=self.batch,
+                                 model_specs=self._model_specs(params))
       self.units_seen.clear()
       self.remat_reason = None
     return self.layout
+
+  def _model_specs(self, params: Any) -> list | None:
+    """Per parameter leaf, the mesh axes of each dimension, from the
+    user's specs, metadata or arrays; None without a ``model`` axis (a
+    model split over one device is whole)."""
+    if MODEL not in self.mesh.axis_names:
+      return None
+    from zero_jax.layout import model_specs  # pylint: disable=g-import-not-at-top
+    return model_specs(params, self.mesh, specs=self.model_specs,
+                       rules=self.axis_rules)
 
   def choose_remat(self, state: TrainState, batch: Any) -> None:
     """With ``remat="auto"``: compiles the step with each candidate policy
@@ -288,15 +311,29 @@ class Engine:
     replica = dict(self.mesh.shape).get(REPLICA, 1)
     if replica > 1:
       where_ += f", replicated over {replica} '{REPLICA}' groups"
+    m = dict(self.mesh.shape).get(MODEL, 1)
+    if m > 1:
+      where_ += (f", inside {m}-way tensor parallelism on '{MODEL}' (the "
+                 "model's own specs)")
     lines = [f"ZeRO stage {pl.stage} over {where_}; compute in "
              f"{pl.copy_dtype.name}, master and optimizer state in float32",
              f"{'parameter':<40} {'shape':<18} layout"]
     replicated = []
     for path, lp in layout.param_plan.rows():
+      per_device = lp.local_shape(n)
+      if lp.model_split:
+        per_device = tuple(d // m if split else d
+                           for d, split in zip(per_device, lp.model))
       if lp.sharded:
-        where = f"sharded dim {lp.dim} -> {lp.local_shape(n)} per device"
+        where = (f"{lp.global_spec} -> {per_device} per device" if m > 1
+                 else f"sharded dim {lp.dim} -> {per_device} per device")
+        if lp.both:
+          where += f" (dim {lp.dim} over '{DATA}' and '{MODEL}')"
       else:
         where = f"replicated ({lp.reason})"
+        if m > 1:
+          where = (f"{lp.global_spec} -> {per_device} per device, "
+                   f"replicated over '{DATA}' ({lp.reason})")
         replicated.append(path)
       lines.append(f"{path:<40} {str(lp.shape):<18} {where}")
     n_rep = sum(1 for _, lp in layout.opt_plan.rows() if not lp.sharded)

@@ -74,8 +74,7 @@ class _Local:
 
   def zeros(self, lp: LeafPlan, w: jax.Array) -> jax.Array:
     """The micro-batch accumulator of one gradient leaf."""
-    del lp
-    return _varying(jnp.zeros(w.shape, jnp.float32), self.axes)
+    return _varying(materialize.zeros(lp, w.shape, jnp.float32), self.axes)
 
   def finish(self, g: Any) -> Any:
     """The summed gradients reduced into the layout of the update."""
@@ -117,7 +116,7 @@ class _Sharded:
     def stand_in(lp, to_host):
       # In host memory where the gradients go there: a cotangent lives
       # where its primal does. (Forward never reads it.)
-      z = jnp.zeros(lp.local_shape(self.n), jnp.float32)
+      z = materialize.zeros(lp, lp.local_shape(self.n), jnp.float32)
       if to_host:
         z = jax.device_put(z, jax.memory.Space.Host)
       return jax.lax.pcast(z, DATA, to="varying")
@@ -149,13 +148,14 @@ class _Sharded:
     return jax.tree.unflatten(jax.tree.structure(wrt), full), handed
 
   def zeros(self, lp: LeafPlan, w: jax.Array) -> jax.Array:
-    z = jnp.zeros(w.shape, jnp.float32)
+    z = materialize.zeros(lp, w.shape, jnp.float32)
     return (jax.lax.pcast(z, DATA, to="varying") if lp.sharded else
             _varying(z, self.axes))
 
   def finish(self, g: Any) -> Any:
     return map_leaves(lambda lp, x: x if lp.sharded else
-                      jax.lax.psum(x.astype(jnp.float32), self.axes),
+                      materialize.psum_leaf(lp, x.astype(jnp.float32),
+                                            self.axes),
                       self.plans, g)
 
 
@@ -232,7 +232,8 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
         full, handed = family.full_params(wrt, source)
         context = materialize.LossContext.of(
             handed, layout.remat, cfg.remat_names, full=full,
-            units=layout.units, layer_classes=cfg.layer_classes)
+            units=layout.units, layer_classes=cfg.layer_classes,
+            partition_activations=cfg.partition_activations)
         with materialize.handing_over(context), layers.intercepting(context):
           out = loss_of(full, batch, key)
         if seen is not None:
@@ -275,9 +276,13 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
   in_compute = None if pl.compute_copy is None else (
       replicated if pl.compute_copy is ComputeCopy.REPLICATED else plan.specs)
   grad_specs = plan.specs if pl.grads_sharded else replicated
+  # Manual over the batch axes only: over ``model`` (tensor parallelism)
+  # the compiler partitions loss_fn by the parameters' specs and inserts
+  # the tensor-parallel collectives itself.
   fn = jax.shard_map(local, mesh=layout.mesh,
                      in_specs=(in_params, in_compute,
                                layout.batch.sharding.spec, P(),
                                None if scale is None else P()),
-                     out_specs=(grad_specs, P(), P()))
+                     out_specs=(grad_specs, P(), P()),
+                     axis_names=set(axes))
   return fn(params, compute_params, batch, rng, scale)

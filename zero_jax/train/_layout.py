@@ -25,10 +25,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import layers, offload
-from zero_jax._paths import path_str
+from zero_jax._paths import key_name, path_str
 from zero_jax.config import RematPolicy, ZeroConfig
-from zero_jax.layout import (DATA, REPLICA, ComputeCopy, Placement, Plan,
-                             UpdateKind, batch_axes, flat, layout_mesh)
+from zero_jax.layout import (DATA, MODEL, REPLICA, ComputeCopy, Placement,
+                             Plan, UpdateKind, batch_axes, flat, layout_mesh)
 from zero_jax.train import _grads, _init, _loss_scale, _offloaded, _update
 from zero_jax.train._state import TrainState, on_host
 
@@ -139,14 +139,57 @@ def check_mesh(mesh: Mesh) -> None:
   if DATA not in mesh.axis_names:
     raise ValueError(f"mesh must have a {DATA!r} axis (use "
                      f"zero_jax.make_mesh()); got axes {mesh.axis_names}")
-  unused = [a for a in mesh.axis_names if a not in (DATA, REPLICA)
+  unused = [a for a in mesh.axis_names if a not in (DATA, REPLICA, MODEL)
             and mesh.shape[a] > 1]
   if unused:
     raise ValueError(
         f"mesh axis {unused[0]!r} (size {mesh.shape[unused[0]]}) is not one "
-        f"the engine uses ({DATA!r}, {REPLICA!r}): its devices would repeat "
-        "the same work. Build the mesh with zero_jax.make_mesh(replica=...) "
-        "or give the engine a mesh of only those axes.")
+        f"the engine uses ({DATA!r}, {REPLICA!r}, {MODEL!r}): its devices "
+        "would repeat the same work. Build the mesh with "
+        "zero_jax.make_mesh(replica=..., model=...), or rename a "
+        f"tensor-parallel axis to {MODEL!r}.")
+
+
+def check_model_split(mesh: Mesh, plan: Plan) -> None:
+  """Raises when the mesh has a ``model`` axis but no parameter is split
+  over it: every model rank would repeat the same work."""
+  m = dict(mesh.shape).get(MODEL, 1)
+  if m > 1 and not plan.model_split:
+    raise ValueError(
+        f"the mesh has a {MODEL!r} axis of {m} devices but no parameter is "
+        f"split over it, so its devices would repeat the same work. Give "
+        "the model's tensor-parallel specs: Flax metadata "
+        "(nnx.with_partitioning / nn.with_partitioning with "
+        f"{MODEL!r}, or logical names with Engine(axis_rules=...)), "
+        "Engine(model_specs=<pytree of PartitionSpec>), or parameters "
+        f"already split over {MODEL!r}; or build the mesh without it "
+        "(zero_jax.make_mesh(model=1)).")
+
+
+def _key_names(path) -> tuple[str, ...]:
+  return tuple(key_name(k) for k in path
+               if not (hasattr(k, "name") and not hasattr(k, "key")
+                       and k.name == "value"))
+
+
+def mirrored_specs(params: Any, specs: list, tree: Any) -> list:
+  """The model specs of ``tree``'s leaves (the optimizer state): a leaf
+  whose key path ends with a parameter's and has its shape (Adam's moments,
+  momentum) is split as that parameter is; any other is not split."""
+  by_path = {}
+  for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                             specs):
+    by_path[_key_names(path)] = (tuple(np.shape(x)), spec)
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names, found = _key_names(path), ()
+    for start in range(len(names)):
+      hit = by_path.get(names[start:])
+      if hit is not None and hit[0] == tuple(np.shape(x)):
+        found = hit[1]
+        break
+    out.append(found)
+  return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -223,8 +266,12 @@ class Layout:
   def build(cls, config: ZeroConfig, mesh: Mesh, params: Any,
             tx: optax.GradientTransformation, *,
             placement: Placement | None = None,
-            batch: BatchLayout | None = None) -> "Layout":
+            batch: BatchLayout | None = None,
+            model_specs: list | None = None) -> "Layout":
     """The layout for ``params`` (arrays or shapes; floating leaves only).
+
+    ``model_specs``: per parameter leaf, the mesh axes of each dimension
+    (``zero_jax.layout.model_specs``); None: split over no ``model`` axis.
 
     Raises:
       TypeError: a parameter leaf is not floating point.
@@ -244,11 +291,16 @@ class Layout:
             "nnx.split(model, nnx.Param)).")
     master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32),
                           params)
-    param_plan = Plan(master, mesh, pl.stage, config.min_shard_elements)
-    opt_plan = Plan(jax.eval_shape(tx.init, master), mesh, pl.stage,
-                    config.min_shard_elements)
+    param_plan = Plan(master, mesh, pl.stage, config.min_shard_elements,
+                      model_specs)
+    check_model_split(mesh, param_plan)
+    opt_shapes = jax.eval_shape(tx.init, master)
+    opt_plan = Plan(opt_shapes, mesh, pl.stage, config.min_shard_elements,
+                    None if model_specs is None else
+                    mirrored_specs(master, model_specs, opt_shapes))
     replicated = NamedSharding(layout_mesh(mesh), P())
-    replicated_tree = jax.tree.map(lambda _: replicated, master)
+    # Replicated over ``data``: still split over ``model`` as the model is.
+    replicated_tree = param_plan.replicated_shardings
     device_params = (param_plan.shardings if pl.master_sharded else
                      replicated_tree)
     params_sh = on_host(device_params) if pl.master_on_host else device_params
