@@ -16,11 +16,15 @@ def key_name(entry: Any) -> str:
   return str(entry)
 
 
+def path_keys(path: Sequence[Any]) -> tuple[str, ...]:
+  """A pytree key path's entries as text. (The ``value`` attribute of a
+  Flax ``Variable`` box is left out: the value is the leaf.)"""
+  return tuple(key_name(k) for k in path
+               if not (hasattr(k, "name") and not hasattr(k, "key")
+                       and k.name == "value"))
+
+
 def path_str(path: Sequence[Any]) -> str:
-  """A readable path such as ``layers/w1`` for a pytree key path. (The
-  ``value`` attribute of a Flax ``Variable`` box is left out: the value is
-  the leaf.)"""
-  parts = [key_name(k) for k in path
-           if not (hasattr(k, "name") and not hasattr(k, "key")
-                   and k.name == "value")]
-  return "/".join(parts) or "<root>"
+  """A readable path such as ``layers/w1`` for a pytree key path
+  (``path_keys`` joined)."""
+  return "/".join(path_keys(path)) or "<root>"

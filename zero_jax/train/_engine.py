@@ -17,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from zero_jax import layers
 from zero_jax.config import RematPolicy, ZeroConfig
-from zero_jax.layout import DATA, MODEL, REPLICA, Placement, Plan
+from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
+                             model_specs)
 from zero_jax.train import _auto_remat, _init
 from zero_jax.train._grads import Loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
@@ -173,7 +174,6 @@ class Engine:
     model split over one device is whole)."""
     if MODEL not in self.mesh.axis_names:
       return None
-    from zero_jax.layout import model_specs  # pylint: disable=g-import-not-at-top
     return model_specs(params, self.mesh, specs=self.model_specs,
                        rules=self.axis_rules)
 

@@ -25,7 +25,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import layers, offload
-from zero_jax._paths import key_name, path_str
+from zero_jax._paths import path_keys, path_str
 from zero_jax.config import RematPolicy, ZeroConfig
 from zero_jax.layout import (DATA, MODEL, REPLICA, ComputeCopy, Placement,
                              Plan, UpdateKind, batch_axes, flat, layout_mesh)
@@ -166,12 +166,6 @@ def check_model_split(mesh: Mesh, plan: Plan) -> None:
         "(zero_jax.make_mesh(model=1)).")
 
 
-def _key_names(path) -> tuple[str, ...]:
-  return tuple(key_name(k) for k in path
-               if not (hasattr(k, "name") and not hasattr(k, "key")
-                       and k.name == "value"))
-
-
 def mirrored_specs(params: Any, specs: list, tree: Any) -> list:
   """The model specs of ``tree``'s leaves (the optimizer state): a leaf
   whose key path ends with a parameter's and has its shape (Adam's moments,
@@ -179,10 +173,10 @@ def mirrored_specs(params: Any, specs: list, tree: Any) -> list:
   by_path = {}
   for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                              specs):
-    by_path[_key_names(path)] = (tuple(np.shape(x)), spec)
+    by_path[path_keys(path)] = (tuple(np.shape(x)), spec)
   out = []
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    names, found = _key_names(path), ()
+    names, found = path_keys(path), ()
     for start in range(len(names)):
       hit = by_path.get(names[start:])
       if hit is not None and hit[0] == tuple(np.shape(x)):
