@@ -98,3 +98,29 @@ def test_a_mesh_axis_the_engine_does_not_use_is_an_error():
   engine = zj.Engine(m.mlp_loss, optax.adam(1e-3), _config(), mesh)
   with pytest.raises(ValueError, match="'model'.*repeat the same work"):
     engine.init(m.mlp_params())
+
+
+def test_remat_auto_compiles_each_candidate_program_once(monkeypatch):
+  # A second engine for the same step (a sweep, a rebuilt engine) finds
+  # the candidates' compiled peaks instead of compiling them again.
+  compiles = []
+  original = jax.stages.Lowered.compile
+
+  def counted(self, *args, **kwargs):
+    compiles.append(self)
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+  reasons = []
+  for _ in range(2):
+    engine = zj.Engine(m.mlp_loss, optax.adam(1e-3),
+                       zj.ZeroConfig(stage=3, remat="auto",
+                                     device_memory_bytes=2**30),
+                       zj.make_mesh())
+    state = engine.init(m.mlp_params())
+    batch = engine.shard_batch(m.mlp_batches(1)[0])
+    before = len(compiles)
+    engine.choose_remat(state, batch)
+    reasons.append((len(compiles) - before, engine.remat_reason))
+  (first, why), (second, why_again) = reasons
+  assert first >= 1 and second == 0 and why_again == why, reasons

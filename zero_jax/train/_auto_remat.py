@@ -14,13 +14,41 @@ peaks behind it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
+import threading
 from typing import Any, Callable
 
 import jax
 
 from zero_jax._devices import compiled_memory, device_memory
 from zero_jax.config import AUTO_CANDIDATES, RematPolicy
+
+
+# Compiled peaks of the candidates compiled in this process, by program:
+# an engine built again for the same step (a sweep, a restart in one
+# process) finds its candidates here instead of compiling each again.
+_PEAKS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+_PEAKS_KEPT = 64
+_PEAKS_LOCK = threading.Lock()
+
+
+def _peak(lowered: Any, device: Any) -> int:
+  """The compiled peak of ``lowered`` for ``device``'s kind, compiled once
+  per program in this process."""
+  key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+         device.platform, device.device_kind)
+  with _PEAKS_LOCK:
+    if key in _PEAKS:
+      _PEAKS.move_to_end(key)
+      return _PEAKS[key]
+  peak = compiled_memory(lowered.compile()).peak
+  with _PEAKS_LOCK:
+    _PEAKS[key] = peak
+    while len(_PEAKS) > _PEAKS_KEPT:
+      _PEAKS.popitem(last=False)
+  return peak
 
 
 def choose(layout, lower: Callable[[Any], Any]) -> tuple[Any, str]:
@@ -39,8 +67,7 @@ def choose(layout, lower: Callable[[Any], Any]) -> tuple[Any, str]:
   for name in AUTO_CANDIDATES:
     candidate = dataclasses.replace(layout, remat=RematPolicy(name))
     with jax.set_mesh(layout.mesh):
-      compiled = lower(candidate).compile()
-    peak = compiled_memory(compiled).peak
+      peak = _peak(lower(candidate), layout.mesh.devices.flat[0])
     tried.append(f"{name} {peak / 2**30:.2f} GiB")
     if budget is None or peak <= budget:
       break
