@@ -24,11 +24,11 @@ from typing import Any, Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from zero_jax import materialize
 from zero_jax.layers._remat import remat_policy
-from zero_jax.layout import MODEL, LeafPlan
+from zero_jax.layout import MODEL, LeafPlan, auto_model_size
 
 # The ``checkpoint_name`` of each layer's input (the scan's carry): what
 # ``remat="full"`` saves for backward. ``remat="offload_to_host"`` with this
@@ -41,17 +41,6 @@ def _slice_plan(lp: LeafPlan) -> LeafPlan:
   return lp.sliced()
 
 
-def _model_size() -> int:
-  """Devices on an automatic ``model`` axis of the mesh being traced
-  under (1 without one)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or MODEL not in mesh.axis_names:
-    return 1
-  if dict(zip(mesh.axis_names, mesh.axis_types))[MODEL] != AxisType.Auto:
-    return 1
-  return mesh.shape[MODEL]
-
-
 def partition_activations(carry: Any) -> Any:
   """ZeRO-R's Pa: each ``(batch, sequence, ...)`` leaf of ``carry`` split
   over the ``model`` axis along the sequence (dimension 1), so the copy a
@@ -61,7 +50,7 @@ def partition_activations(carry: Any) -> Any:
   Raises:
     ValueError: a leaf's sequence length does not divide by the axis.
   """
-  m = _model_size()
+  m = auto_model_size()
   if m == 1:
     return carry
 
@@ -134,7 +123,7 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
         "ZeroConfig.compute_dtype for low-precision compute).",
         stacklevel=2)
 
-  partitioned = context.partition_activations and _model_size() > 1
+  partitioned = context.partition_activations and auto_model_size() > 1
 
   def body(carry, sliced):
     # The layer input: saved for backward (remat "full"), or moved to host

@@ -6,8 +6,8 @@ Data flows config -> mesh -> plan and placement; everything the train step
 does follows from these three decisions.
 """
 
-from zero_jax.layout._mesh import (DATA, MODEL, REPLICA, batch_axes,
-                                   layout_mesh, make_mesh, replica_axes,
+from zero_jax.layout._mesh import (DATA, MODEL, REPLICA, auto_model_size,
+                                   batch_axes, layout_mesh, make_mesh, replica_axes,
                                    simulate_cpu_devices)
 from zero_jax.layout._model_specs import (LeafSpec, is_model_parallel,
                                           model_specs)
@@ -29,6 +29,7 @@ __all__ = [
     "Plan",
     "REPLICA",
     "UpdateKind",
+    "auto_model_size",
     "batch_axes",
     "flat",
     "is_model_parallel",

@@ -119,6 +119,18 @@ def batch_axes(mesh) -> tuple[str, ...]:
   return (REPLICA, DATA) if REPLICA in mesh.axis_names else (DATA,)
 
 
+def auto_model_size() -> int:
+  """Devices on an automatic ``model`` axis of the mesh being traced under
+  (1 without one): inside the engine's step, the tensor-parallel degree the
+  compiler partitions the model by."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or MODEL not in mesh.axis_names:
+    return 1
+  if dict(zip(mesh.axis_names, mesh.axis_types))[MODEL] != AxisType.Auto:
+    return 1
+  return mesh.shape[MODEL]
+
+
 def replica_axes() -> tuple[str, ...]:
   """``("replica",)`` when tracing under a mesh that has it, else ``()``.
 

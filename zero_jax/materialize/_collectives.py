@@ -28,11 +28,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from zero_jax._compat import varying_axes
 from zero_jax.layout import (DATA, MODEL, LeafPlan, batch_axes, map_leaves,
                              replica_axes)
-from jax.sharding import PartitionSpec as P
 
 
 def cast(x: jax.Array, dtype) -> jax.Array:

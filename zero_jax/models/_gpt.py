@@ -41,7 +41,7 @@ from flax import nnx
 from zero_jax import _compat
 from zero_jax.config import REMAT_POLICIES
 from zero_jax.layers import checkpoint_name, scan_layers
-from zero_jax.layout import MODEL
+from zero_jax.layout import MODEL, auto_model_size
 from zero_jax.models._xent import chunked_cross_entropy
 
 # Names of the stacked per-layer parameters, in the order the block uses them.
@@ -172,16 +172,6 @@ def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.einsum("bhqk,bhkd->bhqd", probs, v).transpose(0, 2, 1, 3)
 
 
-def _split_over_model() -> bool:
-  """Whether the program being traced has an automatic ``model`` axis of
-  more than one device (tensor parallelism)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or MODEL not in mesh.axis_names or mesh.shape[MODEL] == 1:
-    return False
-  return dict(zip(mesh.axis_names, mesh.axis_types))[MODEL] == \
-      jax.sharding.AxisType.Auto
-
-
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
             attention: str) -> jax.Array:
   """Causal attention of (B, T, H, hd) heads by the named implementation."""
@@ -191,7 +181,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
   cudnn = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="cudnn")
-  if _split_over_model():
+  if auto_model_size() > 1:
     # JAX's cuDNN attention cannot be partitioned over an automatic axis
     # inside the engine's shard_map (its partitioner fails on the sharding
     # it is handed, jax 0.10-0.12): the einsum, which the compiler splits
