@@ -307,6 +307,39 @@ def test_delay_update_applies_each_gradient_one_update_late():
     zj.ZeroConfig(offload_optimizer="host", delay_update=True)
 
 
+def test_host_update_writes_the_copy_into_the_last_ones_buffers():
+  # Every output of the host's update takes a donated input's buffers (a
+  # fresh host buffer costs a page fault per 4 KiB on first write): the
+  # master and moments their own, the compute copy the last copy's.
+  shapes = {"w": jax.ShapeDtypeStruct((64, 8), np.float32),
+            "b": jax.ShapeDtypeStruct((8,), np.float32)}
+  host = offload.HostUpdate(optax.adamw(1e-2), shapes, jax.devices()[4:])
+  w = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+  master = host.put({"w": w, "b": np.ones(8, np.float32)})
+  opt = host.init(master)
+  grads = {"w": np.full((64, 8), 0.5, np.float32),
+           "b": np.full(8, -0.25, np.float32)}
+  prepare = lambda g, extra: (g, None, None)
+  update = functools.partial(host.update, prepare=prepare,
+                             compute_dtype=jnp.bfloat16)
+  ref_m, ref_o, ref_c, _ = update(grads, host.put(master), host.init(master),
+                                  {})
+  master, opt, copy, _ = update(grads, master, opt, {})
+  assert host.fits(copy, jnp.bfloat16) and not host.fits(copy, jnp.float32)
+  pointers = lambda t: [s.data.unsafe_buffer_pointer()
+                        for x in jax.tree.leaves(t) for s in
+                        x.addressable_shards]
+  before = pointers((master, opt, copy))
+  master, opt, again, _ = update(grads, master, opt, {}, into=copy)
+  assert copy["w"].is_deleted() and not host.fits(copy, jnp.bfloat16)
+  assert pointers((master, opt, again)) == before
+  # The same values as an update into fresh buffers.
+  ref_m, ref_o, ref_c, _ = update(grads, ref_m, ref_o, {})
+  for x, y in zip(jax.tree.leaves((master, opt, again)),
+                  jax.tree.leaves((ref_m, ref_o, ref_c))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_host_update_layout_warnings_and_limits(monkeypatch):
   host = offload.HostUpdate(
       optax.adam(1e-3), {"w": jax.ShapeDtypeStruct((6, 8), np.float32)},

@@ -154,6 +154,10 @@ class OnHost:
   # made once ([layout, its prepare]; a new layout replaces it).
   _prepare_of: list = dataclasses.field(default_factory=lambda: [None, None],
                                         repr=False)
+  # The last compute copy sent to the device, whose host buffers the next
+  # update writes its copy into ([tree] or [None]).
+  _spare: list = dataclasses.field(default_factory=lambda: [None],
+                                   repr=False)
 
   def jit(self, layout, fn):
     # The device's program: gradients out for the host's update (in host
@@ -188,11 +192,16 @@ class OnHost:
     still on the host's CPU devices)."""
     new, metrics, grads = outputs
     sh = layout.state_shardings
+    cd = layout.placement.copy_dtype
+    # (Taken before the update, which donates it: a step that fails leaves
+    # no deleted buffer behind for the next.)
+    into, self._spare[0] = self._spare[0], None
+    if into is not None and not self.host.fits(into, cd):
+      into = None
     master, opt_state, copy, (loss_scale, more, at_min) = self.host.update(
         grads, state.params, state.opt_state,
         {"step": state.step, "loss_scale": state.loss_scale},
-        prepare=self._prepare(layout),
-        compute_dtype=layout.placement.copy_dtype)
+        prepare=self._prepare(layout), compute_dtype=cd, into=into)
     metrics.update(more)
     lr = injected_learning_rate(opt_state)
     if lr is not None:
@@ -201,7 +210,7 @@ class OnHost:
       loss_scale = jax.device_put(loss_scale, sh.loss_scale)
     to_device = lambda c: jax.device_put(c, sh.compute_params)
     if not layout.config.delay_update:
-      compute = to_device(copy)
+      compute, sent = to_device(copy), copy
     else:
       # The next step reads the copy this step's update started from (made
       # by the last step's update, sent up now), not the one being made:
@@ -209,14 +218,18 @@ class OnHost:
       # runs while the device computes the next. (Only for the state the
       # last step returned; after init or a restore the state's own copy.)
       pending, carry = carry, (master, copy)
-      compute = (to_device(pending[1])
-                 if pending and pending[0] is state.params
-                 else state.compute_params)
+      sent = (pending[1] if pending and pending[0] is state.params
+              else None)
+      compute = (state.compute_params if sent is None
+                 else to_device(sent))
     if compute is not state.compute_params:
       # The state is donated: its compute copy goes before the new one
       # comes, so the device holds no more copies than it must.
       for x in jax.tree.leaves(state.compute_params):
         x.delete()
+    if sent is not None and _copied(sent, compute):
+      # Its transfer is under way: the donation waits for it to finish.
+      self._spare[0] = sent
     return dataclasses.replace(
         new, params=master, opt_state=opt_state, loss_scale=loss_scale,
         compute_params=compute), metrics, at_min, carry
@@ -262,6 +275,13 @@ class OnHost:
 
   def describe(self):
     return [self.host.describe()]
+
+
+def _copied(host: Any, device: Any) -> bool:
+  """Whether ``device`` is a copy of ``host`` that shares no buffer with it
+  (no device in common; a mesh of CPU devices may be the host's own)."""
+  return all(h.sharding.device_set.isdisjoint(d.sharding.device_set)
+             for h, d in zip(jax.tree.leaves(host), jax.tree.leaves(device)))
 
 
 def _host_prepare(layout, grads: Any, extra: dict[str, Any]):
