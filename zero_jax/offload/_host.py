@@ -146,9 +146,10 @@ class HostUpdate:
     key = (prepare, jnp.dtype(compute_dtype), into is None)
     if key not in self._jits:
       # Every output takes a donated input's buffers: a fresh host buffer
-      # costs a page fault per 4 KiB on first write, which measured as
-      # much as the update itself (0.66 against 1.10 G params/s for
-      # AdamW on 2 cores). ``keep_unused``: ``into`` is never read, and
+      # costs a page fault per 4 KiB on first write (AdamW and its bf16
+      # copy on 2 cores: 0.62 G params/s with a fresh copy, 0.89 without;
+      # experiments/host_update_bench.py). ``keep_unused``: ``into`` is
+      # never read, and
       # JAX would otherwise drop it, and its donation, from the program.
       self._jits[key] = jax.jit(
           functools.partial(self._update, prepare=prepare,
