@@ -271,6 +271,54 @@ def test_host_update_runs_on_the_spare_cpu_devices_and_changes_nothing(
   assert "host update over 4 CPU device(s)" in engine.describe()
   # (A global norm sums in another order over another layout: last bits.)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  # With float16 compute and clipping, such a last bit of the clipped
+  # master can round one element of the float16 compute copy the other
+  # way, which moves the next gradients by a float16 ulp (measured: 1.8e-5
+  # at most after 3 steps; 0 without clipping, 9e-8 in float32). A wrong
+  # update (a skipped step, unclipped or scaled gradients) moves them by
+  # the learning rate, 1e-2.
+  atol = 5e-5 if config.get("compute_dtype") == "float16" else 1e-6
+  for x, y in zip(jax.tree.leaves((state.params, state.opt_state)),
+                  jax.tree.leaves((ref.params, ref.opt_state))):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0,
+                               atol=atol)
+
+
+@pytest.mark.parametrize("stage,accum", [(1, 1), (1, 2), (2, 1), (2, 2),
+                                         (3, 1)])
+def test_host_update_takes_16_bit_gradients_in_the_reduce_dtype(stage,
+                                                                 accum):
+  # ZeRO-Offload's traffic: with a 16-bit reduce_dtype the gradients cross
+  # to the host in it, where that rounds nothing the update on the device
+  # would not (one reduction's sums; stage 3 sends each shard to host
+  # memory as backward makes it), so training is the device's, exactly.
+  def run(**extra):
+    engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS["adamw"](), zj.ZeroConfig(
+        stage=stage, min_shard_elements=0, compute_dtype="bfloat16",
+        reduce_dtype="bfloat16", grad_accum_steps=accum, **extra),
+                       zj.make_mesh(num_devices=4))
+    state = engine.init(m.mlp_params())
+    batches = m.mlp_batches(3)
+    lowered = engine.step.lower(state, engine.shard_batch(batches[0]))
+    losses = []
+    for batch in batches:
+      state, metrics = engine.step(state, batch)
+      losses.append(float(metrics["loss"]))
+    return engine, lowered, state, losses
+
+  engine, lowered, state, losses = run(offload_optimizer="host",
+                                       update_on="host")
+  _, _, ref, ref_losses = run()
+  assert "gradients go to the host in bfloat16" in engine.describe()
+  # The device's program returns the gradients: the 64 x 64 and 16 x 64
+  # weights' in bfloat16 (half the bytes); with several micro-batches at
+  # stage 2 the shards' float32 sums stay float32.
+  grads = jax.tree.leaves(lowered.out_info[-1])
+  dtypes = sorted(str(g.dtype) for g in grads if g.shape in ((16, 64),
+                                                             (64, 64)))
+  want = "float32" if stage == 2 and accum > 1 else "bfloat16"
+  assert dtypes == [want, want], dtypes
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
   for x, y in zip(jax.tree.leaves((state.params, state.opt_state)),
                   jax.tree.leaves((ref.params, ref.opt_state))):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0,
