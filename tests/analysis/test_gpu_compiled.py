@@ -196,6 +196,17 @@ def test_streamed_update_copies_one_slice_per_iteration(monkeypatch):
       assert 4 * elements <= offload.SLICE_BYTES, line
   cut = [k for k, _ in engine.layout.update.streamer.calls if k > 1]
   assert cut and min(cut) >= 4
+  # PCIe per step: the streamed update reads master and both moments (12
+  # bytes a parameter) and the fp32 gradient shards twice (the norm, then
+  # the update: 8), and writes the state and the gradients back (16).
+  # Measured 19.9 and 16.5 here; 20.2 and 15.6 at 1.3B.
+  psi = opt.params
+  assert 19 * psi <= opt.transfers.to_device <= 21 * psi, (
+      opt.transfers.to_device / psi)
+  assert 15 * psi <= opt.transfers.to_host <= 17 * psi, (
+      opt.transfers.to_host / psi)
+  # Without offload nothing crosses.
+  assert plain.transfers.total == 0
 
 
 def test_host_update_leaves_the_device_the_compute_copy():
@@ -214,6 +225,21 @@ def test_host_update_leaves_the_device_the_compute_copy():
                            offload_optimizer=True, update_on="host")
   assert est.params == 2 * host.params and est.host == 12 * host.params
   assert "host update over" in engine.describe()
+  # PCIe per step: the fp32 gradient shards go down (4 bytes a parameter,
+  # in the program, as backward makes them) and the bf16 copy comes up (2,
+  # given to the next step); the program itself reads nothing from the
+  # host.
+  assert analysis.host_transfers(host.hlo).to_device == 0
+  assert 3.95 * host.params <= host.transfers.to_host <= 4.05 * host.params
+  assert host.transfers.to_device == 2 * host.params
+  assert 5.95 <= host.transfer_bytes_per_param() <= 6.05
+  # ZeRO-Offload's 4 bytes: with reduce_dtype bf16 the gradient shards go
+  # down in bf16 (the reduce-scatter's own sums), and nothing else moves.
+  _, half = compile_gpt("h100", 1, 3, offload_optimizer=True,
+                        update_on="host", reduce_dtype="bfloat16", **_WIDE)
+  assert 1.95 * half.params <= half.transfers.to_host <= 2.05 * half.params
+  assert half.transfers.to_device == 2 * half.params
+  assert half.transfer_bytes_per_param() <= 4.05
 
 
 @pytest.mark.parametrize("offload", [

@@ -5,7 +5,8 @@
   the paper's formula (``paper_model_state_bytes``);
 - measurements of a real or compiled step (``compiled_memory``,
   ``per_device_bytes``, ``train_state_bytes``; the collectives of its HLO
-  text: ``collectives``, ``summarize``, ``summarize_by_dtype``);
+  text: ``collectives``, ``summarize``, ``summarize_by_dtype``; the bytes
+  it moves between host and device memory: ``host_transfers``);
 - compiling the train step for NVIDIA GPUs without one (``gpu_mesh``,
   ``compile_step``; the reference GPT: ``compile_gpt``). Ask for the GPUs
   before anything touches JAX's devices: without a GPU, JAX's CUDA plugin
@@ -32,6 +33,7 @@ from zero_jax.analysis._memory import (OPTIMIZER_STATE_BYTES, Estimate,
                                        optimizer_state_bytes,
                                        paper_estimate,
                                        paper_model_state_bytes)
+from zero_jax.analysis._transfers import Transfers, host_transfers
 
 __all__ = [
     "Collective",
@@ -41,6 +43,7 @@ __all__ = [
     "INSTALL_HINT",
     "OPTIMIZER_STATE_BYTES",
     "TARGETS",
+    "Transfers",
     "abstract_batch",
     "axes_of",
     "bytes_by_memory_kind",
@@ -56,6 +59,7 @@ __all__ = [
     "gpt_shapes",
     "gpu_devices",
     "gpu_mesh",
+    "host_transfers",
     "main",
     "optimizer_state_bytes",
     "paper_estimate",

@@ -39,6 +39,7 @@ from zero_jax._compat import backends_started
 from zero_jax._devices import record_spec_memory
 from zero_jax.analysis import _hlo as hlo
 from zero_jax.analysis import _measure as measure
+from zero_jax.analysis import _transfers as transfers_
 from zero_jax.layout import make_mesh
 
 # No driver is needed to compile, but without this variable the CUDA plugin
@@ -164,12 +165,23 @@ class CompiledStep:
       counted with their trip counts.
     hlo: the compiled program's HLO text.
     params: Ψ, the parameters of the model compiled.
+    transfers: host <-> device bytes per step and device (offload's PCIe
+      traffic): what the program moves (``host_transfers``), and with
+      ``update_on="host"`` also what the step moves around it (the
+      gradients it returns in device memory go to the host's update, the
+      new compute copy comes back).
   """
 
   memory: measure.CompiledMemory
   collectives: dict[tuple[str, str], dict[str, int]]
   hlo: str
   params: int
+  transfers: transfers_.Transfers = transfers_.Transfers(0, 0)
+
+  def transfer_bytes_per_param(self) -> float:
+    """Both directions' bytes per step over Ψ (per device: at N devices,
+    Ψ/N of them cross each device's link)."""
+    return self.transfers.total / self.params
 
   def collective_bytes(self, kind: str) -> int:
     """Bytes per step of one kind of collective, all dtypes."""
@@ -205,7 +217,15 @@ def compile_step(engine, params: Any, batch: Any) -> CompiledStep:
   with jax.set_mesh(engine.mesh):
     compiled = engine.step.lower(state, batch).compile()
   text = compiled.as_text()
+  moved = transfers_.host_transfers(text)
+  if engine.config.update_on == "host":
+    # The device's program returns the gradients (those it did not send to
+    # host memory itself go now) and is given the compute copy the host's
+    # update made.
+    moved = moved + transfers_.Transfers(
+        to_device=measure.per_device_bytes(state.compute_params),
+        to_host=transfers_.device_outputs_bytes(text))
   return CompiledStep(memory=measure.compiled_memory(compiled),
                       collectives=hlo.summarize_by_dtype(text), hlo=text,
-                      params=measure.param_count(params))
+                      params=measure.param_count(params), transfers=moved)
 

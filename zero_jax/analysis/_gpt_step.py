@@ -26,7 +26,9 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
                 model: int = 1, partition_activations: bool = False,
                 offload_optimizer: bool = False,
                 offload_params: bool = False,
-                update_on: str = "device") -> tuple[Any, aot.CompiledStep]:
+                update_on: str = "device",
+                reduce_dtype: str | None = None
+                ) -> tuple[Any, aot.CompiledStep]:
   """Compiles the reference GPT's ZeRO train step for ``devices`` GPUs.
 
   The model is ``zero_jax.models.GPT`` of the given shape (learned
@@ -52,6 +54,7 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
     offload_optimizer, offload_params, update_on: the ``ZeroConfig``
       offload options (with ``update_on="host"`` the device's program is
       compiled; the host's update is a program of its own).
+    reduce_dtype: ``ZeroConfig.reduce_dtype``.
 
   Returns:
     ``(engine, compiled)``: the ``Engine`` (its plans say what is sharded)
@@ -79,7 +82,7 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
   config = ZeroConfig(stage=stage, compute_dtype=compute_dtype, remat=remat,
                       offload_optimizer="host" if offload_optimizer else None,
                       offload_params="host" if offload_params else None,
-                      update_on=update_on,
+                      update_on=update_on, reduce_dtype=reduce_dtype,
                       partition_activations=partition_activations)
   engine = Engine(make_loss_fn(graphdef), tx, config, mesh)
   # (The batch is split over the replica and data axes, not over model.)

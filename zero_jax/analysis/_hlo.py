@@ -166,53 +166,100 @@ def _parse(line: str, m: re.Match) -> Collective:
                     nbytes, groups=replica_groups(line))
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective in ``compiled.as_text()``, with its executions/step."""
-  # Split into computations; remember each one's collectives and callees.
-  comps: dict[str, tuple[list[Collective], list[tuple[str, int]]]] = {}
+def computation_name(line: str) -> str | None:
+  """The name of the computation a line of HLO text opens, or None."""
+  h = _HEADER.match(line)
+  return h.group("name") if h else None
+
+
+def _computations(hlo_text: str, follow_fusions: bool = True
+                  ) -> tuple[str | None, dict[str, list[tuple[str, int]]]]:
+  """(the entry's name, {computation: [(callee, times per call)]}).
+
+  ``follow_fusions=False`` leaves out what ``calls=`` names (fusions and
+  async wrappers), whose instructions are counted where they are called.
+  """
+  callees: dict[str, list[tuple[str, int]]] = {}
   entry, current = None, None
   for line in hlo_text.splitlines():
-    h = _HEADER.match(line)
-    if h:
-      current = h.group("name")
-      comps[current] = ([], [])
+    name = computation_name(line)
+    if name is not None:
+      current = name
+      callees[current] = []
       if line.startswith("ENTRY"):
         entry = current
       continue
     if current is None:
       continue
-    ops, callees = comps[current]
-    m = _LINE.search(line)
-    if m:
-      ops.append(_parse(line, m))
     w = _WHILE_BODY.search(line)
     if w and " while(" in line:
       t = _TRIP.search(line)
       # An unknown trip count is counted once (a lower bound).
-      callees.append((w.group("name"), int(t.group("n")) if t else 1))
+      callees[current].append((w.group("name"),
+                               int(t.group("n")) if t else 1))
     for c in _CALLEE.finditer(line):
+      if not follow_fusions and c.group(0).startswith("calls="):
+        continue
       names = ([c.group("name")] if c.group("name") else
                [x.strip().lstrip("%") for x in c.group("list").split(",")])
-      callees.extend((n, 1) for n in names if n)
-  if entry is None:  # a bare snippet: every line counts once.
-    return [op for ops, _ in comps.values() for op in ops] or [
-        _parse(line, m) for line in hlo_text.splitlines()
-        if (m := _LINE.search(line))]
+      callees[current].extend((n, 1) for n in names if n)
+  return entry, callees
 
-  executions: dict[str, int] = {}
+
+def executions(hlo_text: str, follow_fusions: bool = True) -> dict[str, int]:
+  """How often one step runs each computation: the entry once, a while
+  body as often as its loop's known trip count, nested loops multiplying.
+
+  Args:
+    hlo_text: ``compiled.as_text()``.
+    follow_fusions: also count the computations of fusions and async
+      wrappers (``calls=``).
+
+  Returns:
+    ``{computation name: executions}``; computations never reached from the
+    entry are absent. Without an entry (a bare snippet), empty.
+  """
+  entry, callees = _computations(hlo_text, follow_fusions)
+  out: dict[str, int] = {}
 
   def visit(name: str, times: int) -> None:
-    if name not in comps:
+    if name not in callees:
       return
-    executions[name] = executions.get(name, 0) + times
-    for callee, n in comps[name][1]:
+    out[name] = out.get(name, 0) + times
+    for callee, n in callees[name]:
       visit(callee, times * n)
 
-  visit(entry, 1)
+  if entry is not None:
+    visit(entry, 1)
+  return out
+
+
+def dtype_bytes(dtype: str) -> int:
+  """Bytes of one element of an HLO element type (``f32``: 4)."""
+  return _DTYPE_BYTES.get(dtype, 4)
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Every collective in ``compiled.as_text()``, with its executions/step."""
+  ops: dict[str, list[Collective]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    name = computation_name(line)
+    if name is not None:
+      current = name
+      ops[current] = []
+      continue
+    m = _LINE.search(line)
+    if current is not None and m:
+      ops[current].append(_parse(line, m))
+  times = executions(hlo_text)
+  if not times:  # a bare snippet: every line counts once.
+    return [op for found in ops.values() for op in found] or [
+        _parse(line, m) for line in hlo_text.splitlines()
+        if (m := _LINE.search(line))]
   out = []
-  for name, times in executions.items():
-    out.extend(dataclasses.replace(op, executions=times)
-               for op in comps[name][0])
+  for name, n in times.items():
+    out.extend(dataclasses.replace(op, executions=n) for op in ops[name])
   return out
 
 

@@ -86,7 +86,9 @@ class ZeroConfig:
     reduce_dtype: dtype gradients are summed in across devices. None (the
       default) sums in float32 whatever the compute dtype: exact sums cost
       twice the reduce-scatter bytes of bf16; set ``"bfloat16"`` to halve
-      them.
+      them. With ``update_on="host"`` a 16-bit ``reduce_dtype`` also
+      halves the gradients' bytes to the host (ZeRO-Offload's 16-bit
+      gradients): they cross in it wherever one reduction made them.
     grad_accum_steps: micro-batches per step, run by a scan inside the
       jitted step. None: 1, or derived from the batch sizes below by
       DeepSpeed's rule. Stages 0-1 accumulate each device's full gradient
@@ -138,7 +140,8 @@ class ZeroConfig:
       host RAM on this process's CPU devices, a program of their own
       updates them there with every core, and only gradients (down) and
       the compute copy (up) cross to the device, which holds the compute
-      copy, gradients and activations. Give JAX one CPU device per core
+      copy, gradients and activations: 6 bytes a parameter per step with
+      bf16 compute, 4 with ``reduce_dtype="bfloat16"``. Give JAX one CPU device per core
       (``jax.config.update("jax_num_cpu_devices", os.cpu_count())`` before
       JAX starts). Any optax chain is exact. Single-process runs only.
     delay_update: with ``update_on="host"``, DeepSpeed's one-step delayed

@@ -244,6 +244,18 @@ class Placement:
     """The compute copy's dtype."""
     return self.compute_dtype or jnp.dtype(jnp.float32)
 
+  @property
+  def host_grad_dtype(self) -> np.dtype | None:
+    """With the update on the host, the 16-bit dtype gradients cross to it
+    in (ZeRO-Offload's 2 bytes a parameter): a 16-bit ``reduce_dtype``,
+    in which the sums already are, so the device rounds nothing that the
+    update on the device would not. None: float32."""
+    rd = self.reduce_dtype
+    if (self.update is UpdateKind.HOST and rd is not None and
+        np.dtype(rd).itemsize < 4):
+      return np.dtype(rd)
+    return None
+
   def describe(self) -> list[str]:
     """One line per decision, for ``Engine.describe()``."""
     dtype = self.compute_dtype.name if self.compute_dtype else "float32"
@@ -253,7 +265,10 @@ class Placement:
                "own (ZeRO-Offload)",
                f"a {self.compute_copy.value} {dtype} copy for compute, in "
                f"{self.compute_memory.value} memory; gradients go to the "
-               "host, the new copy comes back after each update"]
+               "host"
+               + (f" in {self.host_grad_dtype.name} (reduce_dtype)"
+                  if self.host_grad_dtype is not None else "")
+               + ", the new copy comes back after each update"]
       if self.gather_from is GatherFrom.HOST_COMPUTE:
         lines.append("stage 3: each layer's shards of the copy are copied to "
                      "the device as forward and backward gather them")

@@ -166,6 +166,8 @@ class HostUpdate:
   def _update(self, grads, master, opt_state, extra, into, *, prepare,
               compute_dtype):
     del into  # (only its buffers)
+    # (16-bit gradients, ZeRO-Offload's transfer, widen exactly.)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     grads, finite, out = prepare(grads, extra)
     updates, new_opt = self.tx.update(grads, opt_state, master)
     new_master = optax.apply_updates(master, updates)

@@ -115,8 +115,13 @@ class _Sharded:
 
     def stand_in(lp, to_host):
       # In host memory where the gradients go there: a cotangent lives
-      # where its primal does. (Forward never reads it.)
-      z = materialize.zeros(lp, lp.local_shape(self.n), jnp.float32)
+      # where its primal does, in its dtype. (Forward never reads it.)
+      dtype = jnp.float32
+      if to_host and pl.host_grad_dtype is not None:
+        # The reduce-scatter's own 16-bit sums cross to the host as they
+        # are: half the bytes, and no rounding of its result.
+        dtype = pl.host_grad_dtype
+      z = materialize.zeros(lp, lp.local_shape(self.n), dtype)
       if to_host:
         z = jax.device_put(z, jax.memory.Space.Host)
       return jax.lax.pcast(z, DATA, to="varying")
