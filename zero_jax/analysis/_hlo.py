@@ -25,7 +25,10 @@ _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4,
 _LINE = re.compile(
     r"=\s*(?P<result>\(.*\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) +
     r")(?P<start>-start)?\(")
-_ARRAY = re.compile(r"(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\]")
+# One array: element type, dimensions and layout (``S(5)`` in it: host
+# memory).
+_ARRAY = re.compile(r"(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\]"
+                    r"(?:\{(?P<layout>[^}]*)\})?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,20 +151,27 @@ _CALLEE = re.compile(
     r"(?P<name>[^\s,]+)|\bbranch_computations=\{(?P<list>[^}]*)\}")
 
 
+def arrays(text: str) -> list[tuple[str, tuple[int, ...], str]]:
+  """``(dtype, dims, layout)`` of every array in an HLO shape's text, in
+  order (a tuple's elements one by one; layout "" where none is given)."""
+  return [(a.group("dtype"),
+           tuple(int(d) for d in a.group("dims").split(",") if d),
+           a.group("layout") or "") for a in _ARRAY.finditer(text)]
+
+
 def _parse(line: str, m: re.Match) -> Collective:
   result = m.group("result")
   shapes, dtypes, elements, nbytes = [], [], 0, 0
-  arrays = list(_ARRAY.finditer(result))
-  if m.group("start") and len(arrays) > 1:
+  found = arrays(result)
+  if m.group("start") and len(found) > 1:
     # async start returns (operand, result): keep the result only.
-    arrays = arrays[len(arrays) // 2:]
-  for a in arrays:
-    dims = tuple(int(d) for d in a.group("dims").split(",") if d)
+    found = found[len(found) // 2:]
+  for dtype, dims, _ in found:
     size = int(np.prod(dims, dtype=np.int64))
     shapes.append(dims)
-    dtypes.append(a.group("dtype"))
+    dtypes.append(dtype)
     elements += size
-    nbytes += size * _DTYPE_BYTES.get(a.group("dtype"), 4)
+    nbytes += size * dtype_bytes(dtype)
   return Collective(m.group("kind"), tuple(shapes), tuple(dtypes), elements,
                     nbytes, groups=replica_groups(line))
 
@@ -286,5 +296,5 @@ def summarize_by_dtype(hlo_text: str) -> dict[tuple[str, str], dict[str, int]]:
                                          "bytes": 0})
       d["count"] += c.executions
       d["elements"] += n * c.executions
-      d["bytes"] += n * _DTYPE_BYTES.get(dtype, 4) * c.executions
+      d["bytes"] += n * dtype_bytes(dtype) * c.executions
   return s

@@ -19,7 +19,7 @@ and of called computations are read; a fusion's own computation is not (the
 fusion is counted where it is called). What the program's caller moves
 (``jax.device_put`` of its arguments, reads of its outputs) is not in the
 program: ``update_on="host"`` adds the gradients it returns in device memory
-and the compute copy it is given (``Engine.offload_traffic``).
+and the compute copy it is given (``CompiledStep.transfers``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,6 @@ from zero_jax.analysis import _hlo
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*"
                     r"(?P<result>\(.*?\)|\S+)\s+(?P<op>[a-z][a-z0-9_-]*)\(")
 _OPERANDS = re.compile(r"%(?P<name>[^\s,)]+)")
-# One array of a result: element type, dimensions, layout (with S(5) when
-# in host memory).
-_ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]"
-                    r"(?:\{(?P<layout>[^}]*)\})?")
 # Instructions that only rename, wait or hold: never a transfer of their own.
 _NO_TRANSFER = frozenset((
     "parameter", "get-tuple-element", "tuple", "bitcast", "while",
@@ -82,13 +78,8 @@ class Transfers:
 
 
 def _arrays(text: str) -> list[Array]:
-  out = []
-  for a in _ARRAY.finditer(text):
-    dims = [int(d) for d in a.group("dims").split(",") if d]
-    size = int(np.prod(dims, dtype=np.int64))
-    out.append(Array(size * _hlo.dtype_bytes(a.group("dtype")),
-                     "S(5)" in (a.group("layout") or "")))
-  return out
+  return [Array(int(np.prod(dims, dtype=np.int64)) * _hlo.dtype_bytes(dtype),
+                "S(5)" in layout) for dtype, dims, layout in _hlo.arrays(text)]
 
 
 def _direction(result: list[Array], operands: list[list[Array]]

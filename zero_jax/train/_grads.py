@@ -78,8 +78,11 @@ class _Local:
 
   def finish(self, g: Any) -> Any:
     """The summed gradients reduced into the layout of the update."""
-    return materialize.reduce_tree(self.plans, g,
-                                   self.placement.reduce_dtype, jnp.float32)
+    # (In the host update's 16-bit dtype where it takes one: the sums are
+    # in it already, so nothing is rounded.)
+    pl = self.placement
+    return materialize.reduce_tree(self.plans, g, pl.reduce_dtype,
+                                   pl.host_grad_dtype or jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +118,13 @@ class _Sharded:
 
     def stand_in(lp, to_host):
       # In host memory where the gradients go there: a cotangent lives
-      # where its primal does, in its dtype. (Forward never reads it.)
-      dtype = jnp.float32
-      if to_host and pl.host_grad_dtype is not None:
-        # The reduce-scatter's own 16-bit sums cross to the host as they
-        # are: half the bytes, and no rounding of its result.
-        dtype = pl.host_grad_dtype
-      z = materialize.zeros(lp, lp.local_shape(self.n), dtype)
+      # where its primal does, in its dtype. (Forward never reads it.) The
+      # host update's 16-bit dtype, where it takes one, is the
+      # reduce-scatter's own: its sums cross as they are, half the bytes,
+      # nothing rounded (micro-batches still sum in the float32
+      # accumulator).
+      z = materialize.zeros(lp, lp.local_shape(self.n),
+                            pl.host_grad_dtype or jnp.float32)
       if to_host:
         z = jax.device_put(z, jax.memory.Space.Host)
       return jax.lax.pcast(z, DATA, to="varying")
@@ -192,7 +195,9 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
                    seen: dict[str, int] | None = None):
   """Per-device loss and gradients, reduced into the ZeRO layout.
 
-  Gradients come back in float32 whatever the compute dtype, summed over
+  Gradients come back in float32 whatever the compute dtype (but in
+  ``Placement.host_grad_dtype`` where the host's update takes them in it
+  and one reduction made them), summed over
   the global batch and every micro-batch, and multiplied by ``scale`` (the
   loss scale, or None).
 

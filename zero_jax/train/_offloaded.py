@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import materialize, offload
-from zero_jax.layout import ComputeCopy, Materialize, UpdateKind, map_leaves
+from zero_jax.layout import ComputeCopy, UpdateKind, map_leaves
 from zero_jax.train import _init
 from zero_jax.train._state import TrainState, device_part, on_host
 from zero_jax.train._update import (OnDevice, grad_shardings,
@@ -178,8 +178,9 @@ class OnHost:
   def finish(self, layout, state, grads, metrics):
     # The rest is the host's program: the gradients leave as the reduction
     # made them.
+    del layout
     return (TrainState(step=state.step + 1, params=None, opt_state=None,
-                       rng=state.rng), metrics, _to_host_dtype(layout, grads))
+                       rng=state.rng), metrics, grads)
 
   def device_input(self, state):
     return device_part(state)
@@ -274,25 +275,6 @@ class OnHost:
 
   def describe(self):
     return [self.host.describe()]
-
-
-def _to_host_dtype(layout, grads: Any) -> Any:
-  """The gradients in ``Placement.host_grad_dtype`` where that is exact:
-  every leaf that one reduction in ``reduce_dtype`` made (at stages 0-1,
-  each device's full gradient reduced once; at stages 2-3, a sharded
-  leaf's reduce-scatter with one micro-batch; those sent to host memory by
-  backward are in it already). Sums of several micro-batches' shards, and
-  the float32 all-reduce of stage 2-3's replicated leaves, stay float32."""
-  pl = layout.placement
-  dtype = pl.host_grad_dtype
-  if dtype is None:
-    return grads
-  once = (pl.materialize is Materialize.LOCAL)
-  one_micro_batch = layout.batch.grad_accum_steps == 1
-  return map_leaves(
-      lambda lp, g: g.astype(dtype) if g.dtype != dtype and (
-          once or (lp.sharded and one_micro_batch)) else g,
-      layout.param_plan.leaves, grads)
 
 
 def _copied(host: Any, device: Any) -> bool:
