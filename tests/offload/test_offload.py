@@ -406,11 +406,32 @@ def test_host_update_layout_warnings_and_limits(monkeypatch):
                      zj.make_mesh(num_devices=8))
   with pytest.warns(UserWarning, match="jax_num_cpu_devices"):
     engine.init(m.mlp_params())
-  # Several processes: the update would need the others' CPU devices.
+
+
+def test_host_update_mirrors_the_mesh_in_a_multi_process_run(monkeypatch):
+  """The layout of tests/distributed/test_host_update_multiprocess.py's
+  2-process run, built in one process that says it is one of two: each
+  device's shards on a CPU device the mesh leaves free, laid out as on
+  the mesh; too few free CPU devices is an error that names the fix."""
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  with pytest.raises(ValueError, match="update_on='device'"):
+  config = zj.ZeroConfig(stage=2, offload_optimizer="host", update_on="host",
+                         min_shard_elements=0)
+  engine = zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
+                     zj.make_mesh(num_devices=4))
+  state = engine.init(m.mlp_params())
+  assert "one per device of the mesh" in engine.describe()
+  plan = engine.param_plan.shardings
+  for name, x in state.params.items():
+    assert list(x.sharding.mesh.devices.flat) == jax.devices()[4:]
+    assert x.sharding.spec == plan[name].spec
+    assert x.sharding.spec != P(), name
+  # The master's shards, on their devices again: the values init gave.
+  back = engine.gather_params(state)
+  for name, x in m.mlp_params().items():
+    np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(x))
+  with pytest.raises(ValueError, match="jax_num_cpu_devices"):
     zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
-              zj.make_mesh(num_devices=8))
+              zj.make_mesh(num_devices=6)).init(m.mlp_params())
 
 
 def test_streamed_update_refuses_a_global_norm_in_the_chain():

@@ -50,8 +50,9 @@ def export_params(engine: Engine, state: TrainState,
   for x, dt, sh in zip(jax.tree.leaves(state.params), dtypes,
                        jax.tree.leaves(shards)):
     # One leaf at a time, in the sharded layout (a replicated master is
-    # sliced, an offloaded one copied to the device), cast shard by shard.
-    out.append(_cast(jax.device_put(x, sh),
+    # sliced, an offloaded one copied to the device, from each process's own
+    # CPU devices where the host updates it), cast shard by shard.
+    out.append(_cast(engine.layout.update.to_device(x, sh),
                      jnp.dtype(dt if dtype is None else dtype)))
   tree = jax.tree.unflatten(jax.tree.structure(state.params), out)
   with _unpinned_checkpointer() as ckptr:

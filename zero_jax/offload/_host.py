@@ -13,6 +13,10 @@ The update is ``tx.update`` under ``jax.jit`` on global arrays, so any optax
 chain is exact, global norms included: the layout decides only which CPU
 device does which part.
 
+In a multi-process run ``MirroredUpdate`` lays the state out on CPU devices
+that mirror the mesh instead (``_mirror``): each process updates the
+shards its own devices hold.
+
 CPU devices are fixed when JAX starts: ``jax.config.update(
 "jax_num_cpu_devices", os.cpu_count())`` before anything else touches JAX
 gives one per core (the default on a GPU host is one). Where the mesh itself
@@ -30,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zero_jax.offload import _mirror
 
 HOST_AXIS = "host"
 
@@ -114,6 +120,14 @@ class HostUpdate:
     return jax.device_put(tree, shardings or self.master_shardings,
                           may_alias=False)
 
+  def to_host(self, tree: Any, shardings: Any) -> Any:
+    """``tree`` (from the mesh) moved to ``shardings`` on the CPU devices."""
+    return jax.device_put(tree, shardings)
+
+  def to_device(self, tree: Any, shardings: Any) -> Any:
+    """``tree`` (from the CPU devices) moved to ``shardings`` on the mesh."""
+    return jax.device_put(tree, shardings)
+
   def init(self, master: Any) -> Any:
     """``tx.init`` on the host-resident master."""
     return jax.jit(self.tx.init, out_shardings=self.opt_shardings)(master)
@@ -159,8 +173,8 @@ class HostUpdate:
           out_shardings=(self.master_shardings, self.opt_shardings,
                          self.master_shardings, None))
     replicated = NamedSharding(self.mesh, P())
-    grads = jax.device_put(grads, self.master_shardings)
-    extra = jax.device_put(extra, replicated)
+    grads = self.to_host(grads, self.master_shardings)
+    extra = self.to_host(extra, jax.tree.map(lambda _: replicated, extra))
     return self._jits[key](grads, master, opt_state, extra, into)
 
   def _update(self, grads, master, opt_state, extra, into, *, prepare,
@@ -177,3 +191,91 @@ class HostUpdate:
           (master, opt_state))
     compute = jax.tree.map(lambda x: x.astype(compute_dtype), new_master)
     return new_master, new_opt, compute, out
+
+
+class MirroredUpdate(HostUpdate):
+  """The host update of a multi-process run: the state laid out on CPU
+  devices that mirror the mesh, one partner per device in the device's own
+  process (``_mirror.partners``), so that each process updates the shards
+  its own devices hold and nothing crosses between processes on its way to
+  or from the host. (Only global reductions in the update, such as a
+  gradient norm, run across processes.)
+
+  Args:
+    tx: the optax transformation.
+    master: the fp32 master as ``jax.ShapeDtypeStruct`` leaves (a tree).
+    mesh: the device mesh.
+    master_specs, opt_specs: the ``PartitionSpec`` of each leaf of the
+      master and of ``tx.init(master)`` on ``mesh``: the devices' ZeRO
+      shards.
+  """
+
+  def __init__(self, tx: optax.GradientTransformation, master: Any,
+               mesh: Mesh, master_specs: Any, opt_specs: Any):
+    # (Not HostUpdate.__init__: the layout comes from the specs, not from
+    # each leaf's shape.)
+    self.tx = tx
+    self.partner = _mirror.partners(mesh)
+    self._device_of = {h: d for d, h in self.partner.items()}
+    self.mesh = _mirror.mirror_mesh(mesh, self.partner)
+    self.k = self.mesh.size
+    self.master_shapes = master
+    self.opt_shapes = jax.eval_shape(tx.init, master)
+    on = lambda spec: NamedSharding(self.mesh, spec)
+    self.master_shardings = jax.tree.map(on, master_specs)
+    self.opt_shardings = jax.tree.map(on, opt_specs)
+    self._jits = {}
+
+  def replicated_bytes(self, tree: Any) -> int:
+    """Bytes of ``tree`` that every partner holds whole; counted once."""
+    del tree
+    return sum(x.size * x.dtype.itemsize for x, s in zip(
+        jax.tree.leaves((self.master_shapes, self.opt_shapes)),
+        jax.tree.leaves((self.master_shardings, self.opt_shardings)))
+               if s.is_fully_replicated)
+
+  def describe(self) -> str:
+    whole = self.replicated_bytes(None)
+    same = all(d is h for d, h in self.partner.items())
+    return (f"host update over {self.k} CPU devices in "
+            f"{len({d.process_index for d in self.partner})} processes, "
+            + ("the mesh's own" if same else "one per device of the mesh, "
+               "in its process") +
+            ": each updates its device's shards; "
+            f"{whole / 2**20:.1f} MiB of state is not sharded and is "
+            "updated whole on each")
+
+  def put(self, tree: Any, shardings: Any = None) -> Any:
+    return self.to_host(tree, shardings or self.master_shardings,
+                        copy=True)
+
+  def to_host(self, tree: Any, shardings: Any, *, copy: bool = False
+              ) -> Any:
+    del copy  # (local_put and device_put from numpy always copy)
+    return jax.tree.map(
+        lambda x, sh: self._move(x, sh, self._device_of.get), tree,
+        shardings)
+
+  def to_device(self, tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda x, sh: self._move(x, sh, self.partner.get), tree, shardings)
+
+  def _move(self, x: Any, target: NamedSharding,
+            source: Any) -> jax.Array:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      # Numpy, or this process's own array: the same value in every
+      # process (as for any multi-process device_put).
+      return jax.device_put(np.asarray(x), target)
+    if x.sharding.device_set == target.device_set:
+      if x.sharding.is_equivalent_to(target, x.ndim):
+        return x
+      return jax.jit(lambda a: a, out_shardings=target)(x)
+    # The same blocks on the partners first (a copy inside each process),
+    # then, where the target holds more of the leaf than a shard (a compute
+    # copy replicated over ``data``), gathered on the target's devices.
+    mesh_sharding = NamedSharding(target.mesh, x.sharding.spec,
+                                  memory_kind=target.memory_kind)
+    y = _mirror.local_put(x, mesh_sharding, source)
+    if y.sharding.is_equivalent_to(target, x.ndim):
+      return y
+    return jax.jit(lambda a: a, out_shardings=target)(y)

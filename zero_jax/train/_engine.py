@@ -22,7 +22,7 @@ from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
 from zero_jax.train import _auto_remat, _init
 from zero_jax.train._grads import Loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
-                                    check_runs_here, signature)
+                                    signature)
 from zero_jax.train._runner import StepFunction
 from zero_jax.train._state import TrainState, on_device
 
@@ -70,8 +70,7 @@ class Engine:
   Raises:
     ValueError: the mesh has no ``data`` axis or an axis the engine does
       not use, the config's batch sizes contradict each other on this mesh
-      (see ``ZeroConfig.batch_sizes``), or ``update_on="host"`` in a
-      multi-process run.
+      (see ``ZeroConfig.batch_sizes``).
   """
 
   def __init__(self, loss_fn: Callable[..., Any],
@@ -89,7 +88,6 @@ class Engine:
     # Where master, moments, gradients and the compute copy live, and where
     # the update runs: decided once.
     self.placement = Placement.of(config, self.batch.grad_accum_steps)
-    check_runs_here(self.placement)
     # Built by init (or abstract_state) for the layout of its parameters.
     self.layout: Layout | None = None
     # Why remat="auto" chose its policy (set when the step is first
@@ -259,7 +257,8 @@ class Engine:
 
     out = jax.tree.map(lambda _: layout.replicated, state.params)
     # (From host memory or the host's CPU devices, if offloaded.)
-    params = jax.device_put(state.params, on_device(layout.device_params))
+    params = layout.update.to_device(state.params,
+                                     on_device(layout.device_params))
     return jax.jit(gather, out_shardings=out)(params)
 
   def shard_batch(self, batch: Any) -> Any:

@@ -276,7 +276,6 @@ class Layout:
     check_mesh(mesh)
     batch = batch or BatchLayout.of(config, mesh)
     pl = placement or Placement.of(config, batch.grad_accum_steps)
-    check_runs_here(pl)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
       if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
@@ -285,13 +284,17 @@ class Layout:
             "nnx.split(model, nnx.Param)).")
     master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32),
                           params)
-    param_plan = Plan(master, mesh, pl.stage, config.min_shard_elements,
-                      model_specs)
-    check_model_split(mesh, param_plan)
     opt_shapes = jax.eval_shape(tx.init, master)
-    opt_plan = Plan(opt_shapes, mesh, pl.stage, config.min_shard_elements,
-                    None if model_specs is None else
-                    mirrored_specs(master, model_specs, opt_shapes))
+
+    def plans(stage: int) -> tuple[Plan, Plan]:
+      return (Plan(master, mesh, stage, config.min_shard_elements,
+                   model_specs),
+              Plan(opt_shapes, mesh, stage, config.min_shard_elements,
+                   None if model_specs is None else
+                   mirrored_specs(master, model_specs, opt_shapes)))
+
+    param_plan, opt_plan = plans(pl.stage)
+    check_model_split(mesh, param_plan)
     replicated = NamedSharding(layout_mesh(mesh), P())
     # Replicated over ``data``: still split over ``model`` as the model is.
     replicated_tree = param_plan.replicated_shardings
@@ -305,7 +308,9 @@ class Layout:
                   None: None}[pl.compute_copy]
     streamer = host = None
     if pl.update is UpdateKind.HOST:
-      host = _host_update(tx, master, mesh)
+      # (In a multi-process run, laid out as the devices' ZeRO shards:
+      # stage 1's at stage 0, whose plan shards nothing.)
+      host = _host_update(tx, master, mesh, plans(max(pl.stage, 1)))
       params_sh, opt_sh = host.master_shardings, host.opt_shardings
       if pl.compute_memory.on_host:
         compute_sh = on_host(compute_sh)
@@ -347,16 +352,6 @@ class Layout:
         self.state_shapes, self.state_shardings)
 
 
-def check_runs_here(placement: Placement) -> None:
-  """Raises if this process cannot run the placement's update."""
-  if placement.update is UpdateKind.HOST and jax.process_count() > 1:
-    raise ValueError(
-        "ZeroConfig(update_on='host') updates on this process's CPU devices "
-        "and supports single-process runs; with "
-        f"{jax.process_count()} processes use update_on='device' (the "
-        "offloaded state is then streamed through the device)")
-
-
 def signature(params: Any) -> tuple:
   """What a layout depends on of the parameters: their tree, shapes and
   dtypes."""
@@ -367,9 +362,16 @@ def signature(params: Any) -> tuple:
 
 
 def _host_update(tx: optax.GradientTransformation, master: Any,
-                 mesh: Mesh) -> offload.HostUpdate:
+                 mesh: Mesh, plans: tuple[Plan, Plan]) -> offload.HostUpdate:
   """ZeRO-Offload's split: master and optimizer state on the host's CPU
-  devices, updated there by a program of their own."""
+  devices, updated there by a program of their own. In a multi-process run
+  each process updates the shards its own devices hold (``plans``: the
+  master's and the optimizer state's)."""
+  if jax.process_count() > 1:
+    spec = lambda s: s.spec
+    return offload.MirroredUpdate(tx, master, mesh,
+                                  *(jax.tree.map(spec, p.shardings)
+                                    for p in plans))
   host = offload.HostUpdate(tx, master, offload.host_devices(mesh))
   if host.k == 1 and (os.cpu_count() or 1) > 1:
     warnings.warn(

@@ -207,8 +207,8 @@ class OnHost:
     if lr is not None:
       metrics["learning_rate"] = lr  # (on the host's CPU devices)
     if loss_scale is not None:
-      loss_scale = jax.device_put(loss_scale, sh.loss_scale)
-    to_device = lambda c: jax.device_put(c, sh.compute_params)
+      loss_scale = self.host.to_device(loss_scale, sh.loss_scale)
+    to_device = lambda c: self.host.to_device(c, sh.compute_params)
     if not layout.config.delay_update:
       compute, sent = to_device(copy), copy
     else:
@@ -271,7 +271,10 @@ class OnHost:
     copy = jax.jit(lambda m: jax.tree.map(
         lambda x: x.astype(layout.placement.copy_dtype), m),
                    out_shardings=self.host.master_shardings)(master)
-    return jax.device_put(copy, layout.state_shardings.compute_params)
+    return self.host.to_device(copy, layout.state_shardings.compute_params)
+
+  def to_device(self, tree, shardings):
+    return self.host.to_device(tree, shardings)
 
   def describe(self):
     return [self.host.describe()]

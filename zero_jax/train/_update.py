@@ -189,6 +189,10 @@ class UpdateStrategy(Protocol):
   def compute_copy(self, layout, master: Any) -> Any:
     """The compute copy cast from a restored master."""
 
+  def to_device(self, tree: Any, shardings: Any) -> Any:
+    """State leaves (``params`` or ``opt_state``) moved to ``shardings``
+    on the mesh."""
+
   def describe(self) -> list[str]:
     """``Engine.describe()``'s lines on the update."""
 
@@ -230,6 +234,9 @@ class OnDevice:
 
   def compute_copy(self, layout, master):
     return _init.cast_copy(layout, master)
+
+  def to_device(self, tree, shardings):
+    return jax.device_put(tree, shardings)
 
   def describe(self):
     return []

@@ -1,0 +1,123 @@
+"""One process of a 2-process run of the host update (see
+test_host_update_multiprocess.py).
+
+Usage, from the repository root::
+
+  python -m zero_jax.launch --nproc 2 --devices-per-proc 4 \\
+      tests/distributed/_host_update_worker.py OUT_DIR
+
+Trains the MLP of tests/_models.py with ``update_on="host"`` in each
+configuration of ``CASES``, on a mesh of all 8 devices of both processes
+(each device its own host partner) or of 2 devices per process (the other
+2 are the partners), feeding only this process's rows of every global
+batch. Process 0 writes ``OUT_DIR/<case>.npz``: ``losses`` and
+``param/<name>`` (the gathered parameters). The cases in ``SAVED`` also
+save a checkpoint, restore it into a new engine and check that one more
+step from each gives the same loss and parameters, and export the
+parameters to ``OUT_DIR/export_<case>`` (every process its shards).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a script, this file's directory is on sys.path, not the root that
+# holds the tests package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+from zero_jax import distributed  # noqa: E402
+
+# Before anything touches devices.
+distributed.initialize()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import zero_jax as zj  # noqa: E402
+from tests import _models as m  # noqa: E402
+
+STEPS = 3
+# name: (optimizer, the mesh's devices per process, ZeroConfig fields).
+# (test_host_update_multiprocess.py trains the same in one process.)
+CASES = {
+    "stage0": ("adamw", 2, dict(stage=0)),
+    "stage1": ("lion", 4, dict(stage=1)),
+    "stage1_bf16_clip": ("adamw", 4, dict(stage=1, compute_dtype="bfloat16",
+                                          clip_grad_norm=0.05)),
+    "stage2_accum": ("clip_adam", 2, dict(stage=2, grad_accum_steps=2)),
+    "stage3_clip": ("adamw", 2, dict(stage=3, clip_grad_norm=0.05)),
+    "stage3_fp16": ("adamw", 2, dict(stage=3, compute_dtype="float16")),
+    "stage3_bf16_delay": ("adamw", 4, dict(stage=3, compute_dtype="bfloat16",
+                                           delay_update=True)),
+}
+
+SAVED = ("stage1_bf16_clip", "stage3_fp16")
+
+
+def config(fields: dict) -> zj.ZeroConfig:
+  return zj.ZeroConfig(offload_optimizer="host", update_on="host",
+                       min_shard_elements=0, **fields)
+
+
+def mesh_devices(per_process: int) -> list:
+  """The first ``per_process`` devices of each process."""
+  return [d for proc in range(jax.process_count())
+          for d in sorted((d for d in jax.devices()
+                           if d.process_index == proc),
+                          key=lambda d: d.id)[:per_process]]
+
+
+def train(out_dir: str) -> None:
+  assert jax.process_count() == 2, jax.process_count()
+  me = jax.process_index()
+  for name, (opt, per_process, fields) in CASES.items():
+    mesh = zj.make_mesh(devices=mesh_devices(per_process))
+    engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](), config(fields),
+                       mesh)
+    state = engine.init(m.mlp_params())
+    # Each device's shards on a CPU device of its own process, in the
+    # devices' own layout: the mesh's devices themselves, or the others.
+    for x in jax.tree.leaves((state.params, state.opt_state)):
+      host = x.sharding.mesh.devices
+      assert host.shape == mesh.devices.shape, (host.shape, name)
+      for d, h in zip(mesh.devices.flat, host.flat):
+        assert h.process_index == d.process_index, name
+        assert (h is d) == (per_process == 4), name
+    assert "in 2 processes" in engine.describe(), engine.describe()
+    losses = []
+    for batch in m.mlp_batches(STEPS):
+      state, metrics = engine.step(state,
+                                   distributed.local_batch(batch, mesh))
+      losses.append(float(metrics["loss"]))
+    params = engine.gather_params(state)
+    if distributed.is_main_process():
+      np.savez(os.path.join(out_dir, f"{name}.npz"), losses=np.array(losses),
+               **{f"param/{k}": np.asarray(v) for k, v in params.items()})
+    if name in SAVED:
+      # (Last: the state it steps from is donated.)
+      check_restore(name, engine, m.OPTIMIZERS[opt](), state, out_dir)
+    print(f"process {me} {name} done", flush=True)
+
+
+def check_restore(name: str, engine: zj.Engine, tx, state,
+                  out_dir: str) -> None:
+  """Save, restore into a new engine, one more step from each: the same."""
+  with zj.Checkpointer(os.path.join(out_dir, f"ckpt_{name}")) as ckpt:
+    ckpt.save(state, engine=engine)
+  again = zj.Engine(m.mlp_loss, tx, engine.config, engine.mesh)
+  restored = zj.Checkpointer(os.path.join(out_dir, f"ckpt_{name}")).restore(
+      again, m.mlp_params())
+  batch = distributed.local_batch(m.mlp_batches(STEPS + 1)[-1], engine.mesh)
+  ahead, metrics = engine.step(state, batch)
+  restored, restored_metrics = again.step(restored, batch)
+  assert float(metrics["loss"]) == float(restored_metrics["loss"]), name
+  for x, y in zip(jax.tree.leaves(engine.gather_params(ahead)),
+                  jax.tree.leaves(again.gather_params(restored))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  zj.export_params(again, restored, os.path.join(out_dir, f"export_{name}"))
+
+
+if __name__ == "__main__":
+  train(sys.argv[1])
