@@ -3,13 +3,14 @@ test_host_update_multiprocess.py).
 
 Usage, from the repository root::
 
-  python -m zero_jax.launch --nproc 2 --devices-per-proc 4 \\
+  python -m zero_jax.launch --nproc 2 --devices-per-proc 8 \\
       tests/distributed/_host_update_worker.py OUT_DIR
 
 Trains the MLP of tests/_models.py with ``update_on="host"`` in each
-configuration of ``CASES``, on a mesh of all 8 devices of both processes
-(each device its own host partner) or of 2 devices per process (the other
-2 are the partners), feeding only this process's rows of every global
+configuration of ``CASES``, on a mesh of all 16 devices of both processes
+(each device its own host partner), of 4 per process (the other 4 are
+their partners, one each) or of 2 per process (4 of the other 6 are
+their partners, 2 each), feeding only this process's rows of every global
 batch. Process 0 writes ``OUT_DIR/<case>.npz``: ``losses`` and
 ``param/<name>`` (the gathered parameters). The cases in ``SAVED`` also
 save a checkpoint, restore it into a new engine and check that one more
@@ -44,14 +45,17 @@ STEPS = 3
 CASES = {
     "stage0": ("adamw", 2, dict(stage=0)),
     "stage1": ("lion", 4, dict(stage=1)),
-    "stage1_bf16_clip": ("adamw", 4, dict(stage=1, compute_dtype="bfloat16",
+    "stage1_bf16_clip": ("adamw", 2, dict(stage=1, compute_dtype="bfloat16",
                                           clip_grad_norm=0.05)),
-    "stage2_accum": ("clip_adam", 2, dict(stage=2, grad_accum_steps=2)),
+    "stage2_accum": ("clip_adam", 8, dict(stage=2, grad_accum_steps=2)),
     "stage3_clip": ("adamw", 2, dict(stage=3, clip_grad_norm=0.05)),
-    "stage3_fp16": ("adamw", 2, dict(stage=3, compute_dtype="float16")),
-    "stage3_bf16_delay": ("adamw", 4, dict(stage=3, compute_dtype="bfloat16",
+    "stage3_fp16": ("adamw", 4, dict(stage=3, compute_dtype="float16")),
+    "stage3_bf16_delay": ("adamw", 2, dict(stage=3, compute_dtype="bfloat16",
                                            delay_update=True)),
 }
+# Each device's partners: the others of its process, shared out (a power
+# of two of them: 6 free for 2 devices gives 2 each).
+PARTNERS = {2: 2, 4: 1, 8: 1}
 
 SAVED = ("stage1_bf16_clip", "stage3_fp16")
 
@@ -77,14 +81,18 @@ def train(out_dir: str) -> None:
     engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](), config(fields),
                        mesh)
     state = engine.init(m.mlp_params())
-    # Each device's shards on a CPU device of its own process, in the
-    # devices' own layout: the mesh's devices themselves, or the others.
+    # Each device's shards on CPU devices of its own process, split among
+    # them: the mesh's devices themselves, or the others.
+    c = PARTNERS[per_process]
     for x in jax.tree.leaves((state.params, state.opt_state)):
       host = x.sharding.mesh.devices
-      assert host.shape == mesh.devices.shape, (host.shape, name)
-      for d, h in zip(mesh.devices.flat, host.flat):
-        assert h.process_index == d.process_index, name
-        assert (h is d) == (per_process == 4), name
+      assert host.shape == (*mesh.devices.shape, c), (host.shape, name)
+      for d, hs in zip(mesh.devices.flat, host.reshape(-1, c)):
+        assert {h.process_index for h in hs} == {d.process_index}, name
+        assert (list(hs) == [d]) == (per_process == 8), name
+    if c > 1:
+      # (A device's block of w2 divides between its 2 partners.)
+      assert "host" in str(state.params["w2"].sharding.spec), name
     assert "in 2 processes" in engine.describe(), engine.describe()
     losses = []
     for batch in m.mlp_batches(STEPS):

@@ -411,24 +411,34 @@ def test_host_update_layout_warnings_and_limits(monkeypatch):
 def test_host_update_mirrors_the_mesh_in_a_multi_process_run(monkeypatch):
   """The layout of tests/distributed/test_host_update_multiprocess.py's
   2-process run, built in one process that says it is one of two: each
-  device's shards on a CPU device the mesh leaves free, laid out as on
-  the mesh; too few free CPU devices is an error that names the fix."""
+  device's shards on the CPU devices the mesh leaves free, laid out as on
+  the mesh and split among a power of two of them; too few free CPU
+  devices is an error that names the fix."""
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   config = zj.ZeroConfig(stage=2, offload_optimizer="host", update_on="host",
                          min_shard_elements=0)
-  engine = zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
-                     zj.make_mesh(num_devices=4))
-  state = engine.init(m.mlp_params())
-  assert "one per device of the mesh" in engine.describe()
-  plan = engine.param_plan.shardings
-  for name, x in state.params.items():
-    assert list(x.sharding.mesh.devices.flat) == jax.devices()[4:]
-    assert x.sharding.spec == plan[name].spec
-    assert x.sharding.spec != P(), name
-  # The master's shards, on their devices again: the values init gave.
-  back = engine.gather_params(state)
-  for name, x in m.mlp_params().items():
-    np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(x))
+  # 4 free CPU devices for 4 devices: one each; 6 for 2: two each.
+  for n, c in ((4, 1), (2, 2)):
+    engine = zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
+                       zj.make_mesh(num_devices=n))
+    state = engine.init(m.mlp_params())
+    assert f"{c} per device of the mesh" in engine.describe()
+    plan = engine.param_plan.shardings
+    for name, x in state.params.items():
+      host = x.sharding.mesh.devices
+      assert host.shape == (n, c)
+      assert list(host.flat) == jax.devices()[n:n + n * c]
+      # The device's spec, each block split in two where c is 2.
+      want = [("data", "host") if c == 2 and e == "data" else e
+              for e in plan[name].spec]
+      got = list(x.sharding.spec)
+      assert got[:len(want)] == want and not any(got[len(want):]), (
+          name, x.sharding.spec)
+    # The master's shards, on their devices again (assembled from the
+    # partners' blocks): the values init gave.
+    back = engine.gather_params(state)
+    for name, x in m.mlp_params().items():
+      np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(x))
   with pytest.raises(ValueError, match="jax_num_cpu_devices"):
     zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
               zj.make_mesh(num_devices=6)).init(m.mlp_params())

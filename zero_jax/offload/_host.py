@@ -195,10 +195,11 @@ class HostUpdate:
 
 class MirroredUpdate(HostUpdate):
   """The host update of a multi-process run: the state laid out on CPU
-  devices that mirror the mesh, one partner per device in the device's own
-  process (``_mirror.partners``), so that each process updates the shards
-  its own devices hold and nothing crosses between processes on its way to
-  or from the host. (Only global reductions in the update, such as a
+  devices that mirror the mesh, ``c`` partners per device in the device's
+  own process (``_mirror.partners``), each device's shards split among its
+  partners, so that each process updates the shards its own devices hold
+  on all its CPU devices, and nothing crosses between processes on its way
+  to or from the host. (Only global reductions in the update, such as a
   gradient norm, run across processes.)
 
   Args:
@@ -213,69 +214,87 @@ class MirroredUpdate(HostUpdate):
   def __init__(self, tx: optax.GradientTransformation, master: Any,
                mesh: Mesh, master_specs: Any, opt_specs: Any):
     # (Not HostUpdate.__init__: the layout comes from the specs, not from
-    # each leaf's shape.)
+    # each leaf's shape alone.)
     self.tx = tx
     self.partner = _mirror.partners(mesh)
-    self._device_of = {h: d for d, h in self.partner.items()}
-    self.mesh = _mirror.mirror_mesh(mesh, self.partner)
+    self._device_of = {h: d for d, hs in self.partner.items() for h in hs}
+    self.mesh = _mirror.mirror_mesh(mesh, self.partner, HOST_AXIS)
     self.k = self.mesh.size
     self.master_shapes = master
     self.opt_shapes = jax.eval_shape(tx.init, master)
-    on = lambda spec: NamedSharding(self.mesh, spec)
-    self.master_shardings = jax.tree.map(on, master_specs)
-    self.opt_shardings = jax.tree.map(on, opt_specs)
+    on = lambda spec, x: NamedSharding(self.mesh, _mirror.host_spec(
+        spec, tuple(x.shape), self.mesh, HOST_AXIS))
+    self.master_shardings = jax.tree.map(on, master_specs, master)
+    self.opt_shardings = jax.tree.map(on, opt_specs, self.opt_shapes)
     self._jits = {}
 
   def replicated_bytes(self, tree: Any) -> int:
-    """Bytes of ``tree`` that every partner holds whole; counted once."""
-    del tree
+    """Bytes of ``tree``'s leaves that each device's partners all hold
+    whole (no dimension of its block divides among them); counted once."""
+    shardings = (self.master_shardings if tree is self.master_shapes else
+                 self.opt_shardings)
+    c = self.mesh.shape[HOST_AXIS]
     return sum(x.size * x.dtype.itemsize for x, s in zip(
-        jax.tree.leaves((self.master_shapes, self.opt_shapes)),
-        jax.tree.leaves((self.master_shardings, self.opt_shardings)))
-               if s.is_fully_replicated)
+        jax.tree.leaves(tree), jax.tree.leaves(shardings))
+               if c > 1 and not any(HOST_AXIS in _names(e)
+                                    for e in s.spec))
 
   def describe(self) -> str:
-    whole = self.replicated_bytes(None)
-    same = all(d is h for d, h in self.partner.items())
+    whole = self.replicated_bytes(self.master_shapes) + self.replicated_bytes(
+        self.opt_shapes)
+    c = self.mesh.shape[HOST_AXIS]
+    same = all(hs == (d,) for d, hs in self.partner.items())
     return (f"host update over {self.k} CPU devices in "
             f"{len({d.process_index for d in self.partner})} processes, "
-            + ("the mesh's own" if same else "one per device of the mesh, "
+            + ("the mesh's own" if same else f"{c} per device of the mesh, "
                "in its process") +
             ": each updates its device's shards; "
-            f"{whole / 2**20:.1f} MiB of state is not sharded and is "
-            "updated whole on each")
+            f"{whole / 2**20:.1f} MiB of state has no dimension that "
+            f"divides among a device's {c} and is updated whole on each")
 
   def put(self, tree: Any, shardings: Any = None) -> Any:
-    return self.to_host(tree, shardings or self.master_shardings,
-                        copy=True)
+    return self.to_host(tree, shardings or self.master_shardings)
 
-  def to_host(self, tree: Any, shardings: Any, *, copy: bool = False
-              ) -> Any:
-    del copy  # (local_put and device_put from numpy always copy)
-    return jax.tree.map(
-        lambda x, sh: self._move(x, sh, self._device_of.get), tree,
-        shardings)
+  def to_host(self, tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(self._to_host, tree, shardings)
 
   def to_device(self, tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(
-        lambda x, sh: self._move(x, sh, self.partner.get), tree, shardings)
+    return jax.tree.map(self._to_device, tree, shardings)
 
-  def _move(self, x: Any, target: NamedSharding,
-            source: Any) -> jax.Array:
+  def _to_host(self, x: Any, target: NamedSharding) -> jax.Array:
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
       # Numpy, or this process's own array: the same value in every
       # process (as for any multi-process device_put).
       return jax.device_put(np.asarray(x), target)
     if x.sharding.device_set == target.device_set:
-      if x.sharding.is_equivalent_to(target, x.ndim):
-        return x
-      return jax.jit(lambda a: a, out_shardings=target)(x)
-    # The same blocks on the partners first (a copy inside each process),
-    # then, where the target holds more of the leaf than a shard (a compute
-    # copy replicated over ``data``), gathered on the target's devices.
-    mesh_sharding = NamedSharding(target.mesh, x.sharding.spec,
-                                  memory_kind=target.memory_kind)
-    y = _mirror.local_put(x, mesh_sharding, source)
-    if y.sharding.is_equivalent_to(target, x.ndim):
-      return y
-    return jax.jit(lambda a: a, out_shardings=target)(y)
+      return _reshard(x, target)
+    # Each partner's block copied from its device's shard, which holds it.
+    return _mirror.local_put(x, target, self._device_of.get)
+
+  def _to_device(self, x: Any, target: NamedSharding) -> jax.Array:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return jax.device_put(np.asarray(x), target)
+    if x.sharding.device_set == target.device_set:
+      return _reshard(x, target)
+    # Each device's block assembled from its partners' (a copy inside each
+    # process), then, where the target holds more of the leaf than a shard
+    # (a compute copy replicated over ``data``), gathered on the mesh.
+    spec = P(*[None if e is None else
+               tuple(a for a in _names(e) if a != HOST_AXIS) or None
+               for e in x.sharding.spec])
+    blocks = NamedSharding(target.mesh, spec, memory_kind=target.memory_kind)
+    return _reshard(_mirror.local_gather(x, blocks, self.partner.get),
+                    target)
+
+
+def _names(entry: Any) -> tuple:
+  """The mesh axes of one entry of a ``PartitionSpec``."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else (
+      tuple(entry))
+
+
+def _reshard(x: jax.Array, target: NamedSharding) -> jax.Array:
+  """``x`` laid out as ``target`` on the same devices."""
+  if x.sharding.is_equivalent_to(target, x.ndim):
+    return x
+  return jax.jit(lambda a: a, out_shardings=target)(x)

@@ -15,49 +15,84 @@ from __future__ import annotations
 
 from typing import Callable
 
+import math
+
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
 
 def partners(mesh: Mesh) -> dict:
-  """Each device of ``mesh`` mapped to a CPU device of its own process.
+  """Each device of ``mesh`` mapped to the CPU devices of its own process
+  that update its shards: ``c`` each, the same ``c`` for every device.
 
   A process's partners are its CPU devices that the mesh does not use, in
-  order; where the mesh uses them all (a mesh of CPU devices), each device
-  is its own partner.
+  order, shared out among its devices: ``c`` is the largest power of two
+  (so that most leaves' blocks divide by it) that every process can give
+  each of its devices; where the mesh uses them all (a mesh of CPU devices), each
+  device is its own one partner.
 
   Raises:
     ValueError: a process has fewer free CPU devices than devices in the
       mesh (the message names ``jax_num_cpu_devices``, the fix).
   """
   used = set(mesh.devices.flat)
-  out = {}
-  for proc in sorted({d.process_index for d in used}):
-    mine = [d for d in mesh.devices.flat if d.process_index == proc]
-    cpus = [d for d in jax.devices("cpu") if d.process_index == proc]
-    free = [d for d in cpus if d not in used]
-    if not free and all(d in cpus for d in mine):
-      out.update((d, d) for d in mine)
-      continue
-    if len(free) < len(mine):
+  procs = sorted({d.process_index for d in used})
+  mine = {p: [d for d in mesh.devices.flat if d.process_index == p]
+          for p in procs}
+  cpus = {p: [d for d in jax.devices("cpu") if d.process_index == p]
+          for p in procs}
+  free = {p: [d for d in cpus[p] if d not in used] for p in procs}
+  if all(not free[p] and all(d in cpus[p] for d in mine[p]) for p in procs):
+    return {d: (d,) for d in used}
+  for p in procs:
+    if len(free[p]) < len(mine[p]):
       raise ValueError(
           f"update_on='host' in a multi-process run updates each device's "
-          f"shards on a CPU device of its process, but process {proc} has "
-          f"{len(mine)} devices in the mesh and {len(free)} free CPU "
+          f"shards on CPU devices of its process, but process {p} has "
+          f"{len(mine[p])} devices in the mesh and {len(free[p])} free CPU "
           "device(s): call jax.config.update('jax_num_cpu_devices', "
           "os.cpu_count()) in every process before JAX starts (before "
           "anything creates an array or lists devices).")
-    out.update(zip(mine, free))
-  return out
+  most = min(len(free[p]) // len(mine[p]) for p in procs)
+  # A power of two: the blocks of most leaves divide by it.
+  c = 1 << (most.bit_length() - 1)
+  return {d: tuple(free[p][i * c:(i + 1) * c])
+          for p in procs for i, d in enumerate(mine[p])}
 
 
-def mirror_mesh(mesh: Mesh, partner: dict) -> Mesh:
-  """``mesh`` with each device replaced by its partner (same axes)."""
-  devices = np.empty(mesh.devices.shape, dtype=object)
+def mirror_mesh(mesh: Mesh, partner: dict, axis: str) -> Mesh:
+  """``mesh`` with each device replaced by its partners, along a new
+  innermost ``axis``."""
+  c = len(next(iter(partner.values())))
+  devices = np.empty((*mesh.devices.shape, c), dtype=object)
   for index, d in np.ndenumerate(mesh.devices):
     devices[index] = partner[d]
-  return Mesh(devices, mesh.axis_names)
+  return Mesh(devices, (*mesh.axis_names, axis))
+
+
+def host_spec(spec: P, shape: tuple, mesh: Mesh, axis: str) -> P:
+  """``spec`` (a leaf's layout on the mesh of ``mirror_mesh``, without
+  ``axis``) with each device's block split further over ``axis``: on the
+  dimension already split over the mesh where the block divides (its
+  partners then take contiguous sub-blocks), else on the first that
+  divides; where none does, every partner holds the device's whole block.
+  """
+  c = mesh.shape[axis]
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  if c == 1:
+    return P(*entries)
+  names = lambda e: () if e is None else (e,) if isinstance(e, str) else e
+  blocks = [n // math.prod(mesh.shape[a] for a in names(e))
+            for n, e in zip(shape, entries)]
+  fits = [d for d, b in enumerate(blocks) if b % c == 0 and b >= c]
+  if not fits:
+    return P(*entries)
+  split = [d for d in fits if entries[d] is not None]
+  d = (split or fits)[0]
+  entries[d] = (*names(entries[d]), axis)
+  return P(*entries)
 
 
 def _within(outer: tuple, inner: tuple, shape: tuple) -> tuple | None:
@@ -98,5 +133,39 @@ def local_put(x: jax.Array, target: NamedSharding,
     data = src.data if rel is None else src.data[rel]
     out.append(jax.device_put(
         data, SingleDeviceSharding(d, memory_kind=target.memory_kind),
+        may_alias=False))
+  return jax.make_array_from_single_device_arrays(x.shape, target, out)
+
+
+def local_gather(x: jax.Array, target: NamedSharding,
+                 sources: Callable[[jax.Device], tuple]) -> jax.Array:
+  """``x`` laid out as ``target``, each of this process's shards assembled
+  from ``x``'s shards on ``sources(device)`` (devices of this process,
+  together holding the target shard): ``local_put``'s way back."""
+  out = []
+  for d, index in target.addressable_devices_indices_map(x.shape).items():
+    mine = [s for s in x.addressable_shards if s.device in sources(d)]
+    box = tuple(i.indices(n)[:2] for i, n in zip(index, x.shape))
+    parts = []
+    for s in mine:
+      rel = _within(index, s.index, x.shape)
+      if rel is None:
+        parts = [(None, s)]  # one partner holds the whole shard
+        break
+      parts.append((rel, s))
+    covered = sum(math.prod(r.stop - r.start for r in rel)
+                  for rel, _ in parts if rel is not None)
+    if parts and parts[0][0] is None:
+      block = parts[0][1].data
+    elif covered == math.prod(hi - lo for lo, hi in box):
+      block = np.empty([hi - lo for lo, hi in box], x.dtype)
+      for rel, s in parts:
+        block[rel] = np.asarray(s.data)
+    else:
+      raise ValueError(
+          f"the shards of {sources(d)} do not make up the shard {index} of "
+          f"{d} (this is a bug)")
+    out.append(jax.device_put(
+        block, SingleDeviceSharding(d, memory_kind=target.memory_kind),
         may_alias=False))
   return jax.make_array_from_single_device_arrays(x.shape, target, out)

@@ -341,7 +341,7 @@ class Engine:
     lines.append(f"optimizer state: {len(layout.opt_plan.rows())} leaves, "
                  f"{n_rep} replicated (scalars, small or indivisible)")
     lines.extend(pl.describe())
-    lines.extend(layout.update.describe())
+    lines.extend(layout.update.describe(layout))
     if cfg.remat is RematPolicy.AUTO:
       lines.append(self.remat_reason or "remat auto: chosen when the step is "
                    "first compiled (engine.step or engine.step.lower)")

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from zero_jax import materialize, offload
-from zero_jax.layout import ComputeCopy, UpdateKind, map_leaves
+from zero_jax.layout import (DATA, MODEL, ComputeCopy, GatherFrom, LeafPlan,
+                             UpdateKind, flat, map_leaves)
 from zero_jax.train import _init
 from zero_jax.train._state import TrainState, device_part, on_host
 from zero_jax.train._update import (OnDevice, grad_shardings,
@@ -135,8 +137,40 @@ class Streamed(OnDevice):
                       compute_params=compute_params,
                       loss_scale=_init.first_loss_scale(layout))
 
-  def describe(self):
-    return self.streamer.describe()
+  def traffic(self, layout) -> tuple[int, int]:
+    """PCIe bytes per step and device, (to the device, to the host): the
+    offloaded master and optimizer state come down slice by slice and go
+    back; gradient shards kept in host memory go there once and come back
+    twice (the global norm, then the update); with ``offload_params``
+    forward and backward also gather their layers from the host master."""
+    pl = layout.placement
+    n, m = layout.mesh.shape[DATA], dict(layout.mesh.shape).get(MODEL, 1)
+    master = [_per_device(lp, n, m) for lp in flat(layout.param_plan.leaves)]
+    state = 4 * sum(master) if pl.master_on_host else 0
+    if pl.opt_on_host:
+      state += sum(_per_device(lp, n, m) * x.dtype.itemsize for lp, x in zip(
+          flat(layout.opt_plan.leaves),
+          jax.tree.leaves(layout.state_shapes.opt_state)))
+    grads = 4 * sum(e for e, to_host in zip(master,
+                                            layout.grads.grads_to_host)
+                    if to_host)
+    gathers = 0
+    if pl.gather_from is GatherFrom.HOST_MASTER:
+      gathers = 2 * 4 * sum(e for e, lp in zip(
+          master, flat(layout.param_plan.leaves)) if lp.sharded)
+    return state + 2 * grads + gathers, state + grads
+
+  def describe(self, layout):
+    down, up = self.traffic(layout)
+    line = (f"streamed update: {down / 2**20:,.1f} MiB to the device and "
+            f"{up / 2**20:,.1f} MiB to the host per step and device over "
+            "PCIe (master and moments down and back, gradient shards in "
+            "host memory read twice" + (
+                ", layers gathered from the host master in forward and "
+                "backward" if layout.placement.gather_from is
+                GatherFrom.HOST_MASTER else "") +
+            "); update_on='host' moves 4 to 6 bytes a parameter")
+    return [line, *self.streamer.describe()]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -276,8 +310,15 @@ class OnHost:
   def to_device(self, tree, shardings):
     return self.host.to_device(tree, shardings)
 
-  def describe(self):
+  def describe(self, layout):
+    del layout
     return [self.host.describe()]
+
+
+def _per_device(lp: LeafPlan, n: int, m: int) -> int:
+  """Elements of a leaf each device holds."""
+  return (math.prod(lp.shape) // (n if lp.sharded else 1) //
+          (m if lp.model_split else 1))
 
 
 def _copied(host: Any, device: Any) -> bool:

@@ -193,7 +193,7 @@ class UpdateStrategy(Protocol):
     """State leaves (``params`` or ``opt_state``) moved to ``shardings``
     on the mesh."""
 
-  def describe(self) -> list[str]:
+  def describe(self, layout) -> list[str]:
     """``Engine.describe()``'s lines on the update."""
 
 
@@ -238,7 +238,8 @@ class OnDevice:
   def to_device(self, tree, shardings):
     return jax.device_put(tree, shardings)
 
-  def describe(self):
+  def describe(self, layout):
+    del layout
     return []
 
 
