@@ -79,6 +79,20 @@ def _xla(n: int, devices: int, reps: int) -> float:
 _B1, _B2, _EPS, _LR, _WD = 0.9, 0.999, 1e-8, 1e-3, 0.1
 
 
+def _donated_rate(fn, state: list, g, n: int, reps: int) -> float:
+  """The rate of ``state = fn(*state, g, count)``, every state buffer
+  donated, the last one (the copy) waited for."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  count = [0]
+
+  def step():
+    count[0] += 1
+    state[:] = fn(*state, g, np.float32(count[0]))
+    state[-1].block_until_ready()
+
+  return _rate(step, n, reps)
+
+
 def _xla_hand(n: int, devices: int, reps: int) -> float:
   """AdamW and the bf16 copy written out in jnp, every output donated."""
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -104,15 +118,8 @@ def _xla_hand(n: int, devices: int, reps: int) -> float:
                                                    sharding)
   state = [put(1.0), put(0.0), put(0.0), put(0.0, jnp.bfloat16)]
   g = put(1e-3)
-  fn = jax.jit(update, donate_argnums=(0, 1, 2, 3), keep_unused=True)
-  count = [0]
-
-  def step():
-    count[0] += 1
-    state[:] = fn(*state, g, np.float32(count[0]))
-    state[3].block_until_ready()
-
-  return _rate(step, n, reps)
+  return _donated_rate(jax.jit(update, donate_argnums=(0, 1, 2, 3),
+                               keep_unused=True), state, g, n, reps)
 
 
 def _xla_chunked(n: int, devices: int, reps: int, chunk: int = 16384
@@ -160,15 +167,8 @@ def _xla_chunked(n: int, devices: int, reps: int, chunk: int = 16384
                                                    sharding)
   state = [put(1.0), put(0.0), put(0.0), put(0, np.uint16)]
   g = put(1e-3)
-  fn = jax.jit(update, donate_argnums=(0, 1, 2, 3))
-  count = [0]
-
-  def step():
-    count[0] += 1
-    state[:] = fn(*state, g, np.float32(count[0]))
-    state[3].block_until_ready()
-
-  return _rate(step, n, reps)
+  return _donated_rate(jax.jit(update, donate_argnums=(0, 1, 2, 3)), state,
+                       g, n, reps)
 
 
 def _numpy(n: int, threads: int, reps: int, chunk: int = 65536) -> float:
