@@ -38,26 +38,13 @@ import numpy as np  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
 from tests import _models as m  # noqa: E402
+from tests.distributed._host_update_cases import (  # noqa: E402
+    CASES, SAVED, STEPS)
 
-STEPS = 3
-# name: (optimizer, the mesh's devices per process, ZeroConfig fields).
-# (test_host_update_multiprocess.py trains the same in one process.)
-CASES = {
-    "stage0": ("adamw", 2, dict(stage=0)),
-    "stage1": ("lion", 4, dict(stage=1)),
-    "stage1_bf16_clip": ("adamw", 2, dict(stage=1, compute_dtype="bfloat16",
-                                          clip_grad_norm=0.05)),
-    "stage2_accum": ("clip_adam", 8, dict(stage=2, grad_accum_steps=2)),
-    "stage3_clip": ("adamw", 2, dict(stage=3, clip_grad_norm=0.05)),
-    "stage3_fp16": ("adamw", 4, dict(stage=3, compute_dtype="float16")),
-    "stage3_bf16_delay": ("adamw", 2, dict(stage=3, compute_dtype="bfloat16",
-                                           delay_update=True)),
-}
 # Each device's partners: the others of its process, shared out (a power
 # of two of them: 6 free for 2 devices gives 2 each).
 PARTNERS = {2: 2, 4: 1, 8: 1}
 
-SAVED = ("stage1_bf16_clip", "stage3_fp16")
 
 
 def config(fields: dict) -> zj.ZeroConfig:

@@ -229,15 +229,17 @@ class MirroredUpdate(HostUpdate):
     self._jits = {}
 
   def replicated_bytes(self, tree: Any) -> int:
-    """Bytes of ``tree``'s leaves that each device's partners all hold
-    whole (no dimension of its block divides among them); counted once."""
-    shardings = (self.master_shardings if tree is self.master_shapes else
-                 self.opt_shardings)
-    c = self.mesh.shape[HOST_AXIS]
+    """Bytes of ``tree`` (the master or the optimizer state, arrays or
+    shapes) that each device's partners all hold whole (no dimension of
+    its block divides among them); counted once."""
+    if self.mesh.shape[HOST_AXIS] == 1:
+      return 0
+    shardings = {jax.tree.structure(self.master_shapes): self.master_shardings,
+                 jax.tree.structure(self.opt_shapes): self.opt_shardings
+                 }[jax.tree.structure(tree)]
     return sum(x.size * x.dtype.itemsize for x, s in zip(
         jax.tree.leaves(tree), jax.tree.leaves(shardings))
-               if c > 1 and not any(HOST_AXIS in _names(e)
-                                    for e in s.spec))
+               if not any(HOST_AXIS in _mirror.spec_axes(e) for e in s.spec))
 
   def describe(self) -> str:
     whole = self.replicated_bytes(self.master_shapes) + self.replicated_bytes(
@@ -256,41 +258,37 @@ class MirroredUpdate(HostUpdate):
     return self.to_host(tree, shardings or self.master_shardings)
 
   def to_host(self, tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(self._to_host, tree, shardings)
+    # Each partner's block copied from its device's shard, which holds it.
+    across = lambda x, target: _mirror.local_put(x, target,
+                                                 self._device_of.get)
+    return jax.tree.map(lambda x, t: _move(x, t, across), tree, shardings)
 
   def to_device(self, tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(self._to_device, tree, shardings)
-
-  def _to_host(self, x: Any, target: NamedSharding) -> jax.Array:
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-      # Numpy, or this process's own array: the same value in every
-      # process (as for any multi-process device_put).
-      return jax.device_put(np.asarray(x), target)
-    if x.sharding.device_set == target.device_set:
-      return _reshard(x, target)
-    # Each partner's block copied from its device's shard, which holds it.
-    return _mirror.local_put(x, target, self._device_of.get)
-
-  def _to_device(self, x: Any, target: NamedSharding) -> jax.Array:
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-      return jax.device_put(np.asarray(x), target)
-    if x.sharding.device_set == target.device_set:
-      return _reshard(x, target)
-    # Each device's block assembled from its partners' (a copy inside each
-    # process), then, where the target holds more of the leaf than a shard
-    # (a compute copy replicated over ``data``), gathered on the mesh.
-    spec = P(*[None if e is None else
-               tuple(a for a in _names(e) if a != HOST_AXIS) or None
-               for e in x.sharding.spec])
-    blocks = NamedSharding(target.mesh, spec, memory_kind=target.memory_kind)
-    return _reshard(_mirror.local_gather(x, blocks, self.partner.get),
-                    target)
+    def across(x, target):
+      # Each device's block assembled from its partners' (a copy inside
+      # each process), then, where the target holds more of the leaf than
+      # a shard (a compute copy replicated over ``data``), gathered on the
+      # mesh.
+      blocks = NamedSharding(target.mesh,
+                             _mirror.without(x.sharding.spec, HOST_AXIS),
+                             memory_kind=target.memory_kind)
+      return _reshard(_mirror.local_gather(x, blocks, self.partner.get),
+                      target)
+    return jax.tree.map(lambda x, t: _move(x, t, across), tree, shardings)
 
 
-def _names(entry: Any) -> tuple:
-  """The mesh axes of one entry of a ``PartitionSpec``."""
-  return () if entry is None else (entry,) if isinstance(entry, str) else (
-      tuple(entry))
+def _move(x: Any, target: NamedSharding,
+          across: Callable[[jax.Array, NamedSharding], jax.Array]
+          ) -> jax.Array:
+  """``x`` laid out as ``target``: ``across`` between the mesh and its
+  mirror."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    # Numpy, or this process's own array: the same value in every process
+    # (as for any multi-process device_put).
+    return jax.device_put(np.asarray(x), target)
+  if x.sharding.device_set == target.device_set:
+    return _reshard(x, target)
+  return across(x, target)
 
 
 def _reshard(x: jax.Array, target: NamedSharding) -> jax.Array:

@@ -3,19 +3,18 @@
 In a multi-process run the host update cannot split each leaf over the CPU
 devices the way one process does (``_host.host_devices``): the gradients
 and the compute copy would then cross between processes on their way to
-and from the host. Instead each device of the mesh gets a partner, a CPU
-device of its own process (``partners``), and the host's state is laid out
-on the partners exactly as the device's ZeRO shards are on the mesh: every
-process updates the shards its own devices hold, and every transfer
-between a device and the host is a copy inside one process
-(``local_put``).
+and from the host. Instead each device of the mesh gets partners, CPU
+devices of its own process (``partners``), and the host's state is laid
+out on them as the device's ZeRO shards are on the mesh, each device's
+block split among its partners (``host_spec``): every process updates the
+shards its own devices hold, and every transfer between a device and the
+host is a copy inside one process (``local_put``, ``local_gather``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import math
+from typing import Callable
 
 import jax
 import numpy as np
@@ -30,8 +29,8 @@ def partners(mesh: Mesh) -> dict:
   A process's partners are its CPU devices that the mesh does not use, in
   order, shared out among its devices: ``c`` is the largest power of two
   (so that most leaves' blocks divide by it) that every process can give
-  each of its devices; where the mesh uses them all (a mesh of CPU devices), each
-  device is its own one partner.
+  each of its devices; where the mesh uses them all (a mesh of CPU
+  devices), each device is its own one partner.
 
   Raises:
     ValueError: a process has fewer free CPU devices than devices in the
@@ -62,6 +61,18 @@ def partners(mesh: Mesh) -> dict:
           for p in procs for i, d in enumerate(mine[p])}
 
 
+def spec_axes(entry) -> tuple:
+  """The mesh axes of one entry of a ``PartitionSpec``."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else (
+      tuple(entry))
+
+
+def without(spec: P, axis: str) -> P:
+  """``spec`` with ``axis`` taken out of every entry."""
+  return P(*[tuple(a for a in spec_axes(e) if a != axis) or None
+             for e in spec])
+
+
 def mirror_mesh(mesh: Mesh, partner: dict, axis: str) -> Mesh:
   """``mesh`` with each device replaced by its partners, along a new
   innermost ``axis``."""
@@ -83,15 +94,14 @@ def host_spec(spec: P, shape: tuple, mesh: Mesh, axis: str) -> P:
   entries = list(spec) + [None] * (len(shape) - len(spec))
   if c == 1:
     return P(*entries)
-  names = lambda e: () if e is None else (e,) if isinstance(e, str) else e
-  blocks = [n // math.prod(mesh.shape[a] for a in names(e))
+  blocks = [n // math.prod(mesh.shape[a] for a in spec_axes(e))
             for n, e in zip(shape, entries)]
   fits = [d for d, b in enumerate(blocks) if b % c == 0 and b >= c]
   if not fits:
     return P(*entries)
   split = [d for d in fits if entries[d] is not None]
   d = (split or fits)[0]
-  entries[d] = (*names(entries[d]), axis)
+  entries[d] = (*spec_axes(entries[d]), axis)
   return P(*entries)
 
 

@@ -308,9 +308,12 @@ class Layout:
                   None: None}[pl.compute_copy]
     streamer = host = None
     if pl.update is UpdateKind.HOST:
-      # (In a multi-process run, laid out as the devices' ZeRO shards:
-      # stage 1's at stage 0, whose plan shards nothing.)
-      host = _host_update(tx, master, mesh, plans(max(pl.stage, 1)))
+      mirrored = None
+      if jax.process_count() > 1:
+        # Laid out as the devices' ZeRO shards: stage 1's at stage 0,
+        # whose plan shards nothing.
+        mirrored = (param_plan, opt_plan) if pl.stage else plans(1)
+      host = _host_update(tx, master, mesh, mirrored)
       params_sh, opt_sh = host.master_shardings, host.opt_shardings
       if pl.compute_memory.on_host:
         compute_sh = on_host(compute_sh)
@@ -362,16 +365,17 @@ def signature(params: Any) -> tuple:
 
 
 def _host_update(tx: optax.GradientTransformation, master: Any,
-                 mesh: Mesh, plans: tuple[Plan, Plan]) -> offload.HostUpdate:
+                 mesh: Mesh, mirrored: tuple[Plan, Plan] | None
+                 ) -> offload.HostUpdate:
   """ZeRO-Offload's split: master and optimizer state on the host's CPU
-  devices, updated there by a program of their own. In a multi-process run
-  each process updates the shards its own devices hold (``plans``: the
-  master's and the optimizer state's)."""
-  if jax.process_count() > 1:
+  devices, updated there by a program of their own. ``mirrored`` (a
+  multi-process run): the plans of the master and the optimizer state,
+  whose shards each process updates for its own devices."""
+  if mirrored is not None:
     spec = lambda s: s.spec
     return offload.MirroredUpdate(tx, master, mesh,
                                   *(jax.tree.map(spec, p.shardings)
-                                    for p in plans))
+                                    for p in mirrored))
   host = offload.HostUpdate(tx, master, offload.host_devices(mesh))
   if host.k == 1 and (os.cpu_count() or 1) > 1:
     warnings.warn(

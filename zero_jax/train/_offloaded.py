@@ -317,8 +317,7 @@ class OnHost:
 
 def _per_device(lp: LeafPlan, n: int, m: int) -> int:
   """Elements of a leaf each device holds."""
-  return (math.prod(lp.shape) // (n if lp.sharded else 1) //
-          (m if lp.model_split else 1))
+  return math.prod(lp.local_shape(n)) // (m if lp.model_split else 1)
 
 
 def _copied(host: Any, device: Any) -> bool:

@@ -1,0 +1,21 @@
+"""The configurations of the 2-process host-update run, shared by its
+worker (``_host_update_worker.py``) and its test
+(``test_host_update_multiprocess.py``), which cannot import the worker: the
+worker starts JAX's distributed runtime as it is imported."""
+
+STEPS = 3
+# name: (optimizer of tests/_models.py, the mesh's devices per process,
+# ZeroConfig fields).
+CASES = {
+    "stage0": ("adamw", 2, dict(stage=0)),
+    "stage1": ("lion", 4, dict(stage=1)),
+    "stage1_bf16_clip": ("adamw", 2, dict(stage=1, compute_dtype="bfloat16",
+                                          clip_grad_norm=0.05)),
+    "stage2_accum": ("clip_adam", 8, dict(stage=2, grad_accum_steps=2)),
+    "stage3_clip": ("adamw", 2, dict(stage=3, clip_grad_norm=0.05)),
+    "stage3_fp16": ("adamw", 4, dict(stage=3, compute_dtype="float16")),
+    "stage3_bf16_delay": ("adamw", 2, dict(stage=3, compute_dtype="bfloat16",
+                                           delay_update=True)),
+}
+# The cases that also save, restore and export.
+SAVED = ("stage1_bf16_clip", "stage3_fp16")
