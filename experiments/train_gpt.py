@@ -75,7 +75,8 @@ PRESETS = {
 # argparse names; giving one with --deepspeed-config is an error.
 DEEPSPEED_REPLACES = ("stage", "compute_dtype", "batch_size",
                       "grad_accum_steps", "clip_grad_norm",
-                      "offload_optimizer")
+                      "offload_optimizer", "quantized_weights",
+                      "quantized_gradients")
 # Defaults of flags whose default is None so that the demo can tell a flag
 # given from one left out (to refuse contradictions).
 DEFAULTS = dict(stage=3, grad_accum_steps=1, clip_grad_norm=1.0,
@@ -122,6 +123,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace,
                  help="clip to this global norm (0: no clipping; default 1)")
   p.add_argument("--offload-optimizer", default=None, choices=("host",),
                  help="keep the optimizer state in host memory")
+  p.add_argument("--quantized-weights", action="store_true", default=None,
+                 help="ZeRO++'s qwZ: int8 parameter gathers (stage 3)")
+  p.add_argument("--quantized-gradients", action="store_true",
+                 default=None,
+                 help="ZeRO++'s qgZ: int8 gradient all-to-alls (stages 1-3)")
   p.add_argument("--preset", default="auto", choices=("auto",) + tuple(
       PRESETS), help="model and run size (auto: gpu on a GPU, else cpu); "
       "the flags below override it")
@@ -287,7 +293,10 @@ def make_zero_config(args) -> zj.ZeroConfig:
   return zj.ZeroConfig(stage=args.stage, compute_dtype=args.compute_dtype,
                        grad_accum_steps=args.grad_accum_steps,
                        clip_grad_norm=args.clip_grad_norm or None,
-                       offload_optimizer=args.offload_optimizer, **remat)
+                       offload_optimizer=args.offload_optimizer,
+                       quantized_weights=bool(args.quantized_weights),
+                       quantized_gradients=bool(args.quantized_gradients),
+                       **remat)
 
 
 # ------------------------------------------------------------ memory table
@@ -341,8 +350,11 @@ def memory_table(loss_fn, tx, params, batch, mesh, config, title,
       flush=True)
   for stage in range(4):
     t0 = time.perf_counter()
-    engine = zj.Engine(loss_fn, tx, dataclasses.replace(config, stage=stage),
-                       mesh)
+    # (ZeRO++'s quantized collectives where the stage has them.)
+    engine = zj.Engine(loss_fn, tx, dataclasses.replace(
+        config, stage=stage,
+        quantized_weights=config.quantized_weights and stage == 3,
+        quantized_gradients=config.quantized_gradients and stage > 0), mesh)
     mem = compiled_step_memory(engine, shapes, batch)
     say(f"  stage {stage} compiled ({time.perf_counter() - t0:.1f}s)",
         flush=True)

@@ -264,12 +264,18 @@ def test_communication_by_hand():
     assert comm_volume({k: v["elements"] for k, v in c.items()}) == (
         volume * psi)
   # Parameters are gathered in the compute dtype; gradients are summed in
-  # fp32 unless a reduce dtype says otherwise (as ZeroConfig).
+  # fp32 unless a reduce dtype says otherwise (as ZeroConfig), and 16-bit
+  # gradients summed in fp32 cross in 16 bits, by an all-to-all.
   bf16 = estimate_comm(psi, 8, 3, compute_dtype="bfloat16")
   assert bf16["all-gather"] == {"elements": 2000, "bytes": 4000}
-  assert bf16["reduce-scatter"] == {"elements": 1000, "bytes": 4000}
+  assert bf16["all-to-all"] == {"elements": 1000, "bytes": 2000}
+  assert "reduce-scatter" not in bf16
+  assert comm_volume({k: v["elements"] for k, v in bf16.items()}) == 3 * psi
   assert estimate_comm(psi, 8, 3, reduce_dtype="bfloat16")[
       "reduce-scatter"]["bytes"] == 2000
+  assert estimate_comm(psi, 8, 3, compute_dtype="bfloat16",
+                       reduce_dtype="bfloat16")["reduce-scatter"] == {
+                           "elements": 1000, "bytes": 2000}
   # Replicated leaves are all-reduced instead; replica groups all-reduce
   # each gradient shard (Ψ/N) on top.
   c = estimate_comm(psi, 16, 2, replica=2, replicated=200)
@@ -488,7 +494,8 @@ def test_cli_model_parallel(capsys):
       "(model parallel M = 16, data N = 64)" in out
   assert _row(out, "model states") == [f"{15.625e9 / GIB:.3f}"] * 2
   # ZeRO's collectives of Ψ/M: 3Ψ/M = 0.1875Ψ.
-  assert "reduce-scatter 0.0625Ψ + all-gather 0.125Ψ; volume 0.188Ψ" in out
+  # (bf16 gradients summed in fp32 cross in bf16, by an all-to-all.)
+  assert "all-to-all 0.0625Ψ + all-gather 0.125Ψ; volume 0.188Ψ" in out
   # Every row is estimate_memory's and paper_estimate's, with replica
   # groups on top, and the activations stay as given.
   shape = dict(layers=4, hidden=256, seq_len=128, micro_batch=2, heads=4)

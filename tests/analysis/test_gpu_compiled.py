@@ -78,20 +78,32 @@ def test_bf16_gathers_carry_half_the_bytes_of_fp32_ones():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_gradient_reductions_are_reduce_scatters(stage):
+def test_gradients_cross_in_bf16_and_are_summed_in_fp32_on_the_shard(stage):
   engine, c = _tiny(stage)
   psi, rep = c.params, engine.param_plan.replicated_elements
   ops = {}
   for (kind, _), d in c.collectives.items():
     ops[kind] = ops.get(kind, 0) + d["elements"]
-  # Gradients are summed in fp32 (reduce_dtype default) and every sharded
-  # leaf's is reduce-scattered: the results are the shards.
-  assert ops["reduce-scatter"] == _sharded_elements(engine) // N
-  assert ("reduce-scatter", "f32") in c.collectives
+  # Gradients are summed in fp32 (reduce_dtype's default), but every
+  # sharded leaf's whole bf16 gradient crosses once, by an all-to-all that
+  # hands each device every device's block of its shard, summed there in
+  # fp32: a fp32 reduce-scatter's sums for half its bytes.
+  assert ops["all-to-all"] == _sharded_elements(engine)
+  assert [dt for kind, dt in c.collectives if kind == "all-to-all"] == [
+      "bf16"]
+  assert "reduce-scatter" not in ops
   # Only the small replicated leaves' gradients and the loss are
   # all-reduced: nothing of the size of the model.
   assert ops.get("all-reduce", 0) <= rep + 16
   assert rep < 0.05 * psi
+
+
+def test_bf16_sums_are_a_bf16_reduce_scatter():
+  engine, _ = _tiny(3)
+  c = compile_gpt("h100", N, 3, reduce_dtype="bfloat16", **_TINY)[1]
+  assert c.collectives[("reduce-scatter", "bf16")]["elements"] == (
+      _sharded_elements(engine) // N)
+  assert not any(kind == "all-to-all" for kind, _ in c.collectives)
 
 
 def test_stage3_temp_grows_by_the_added_layers_shards_not_their_params():
@@ -327,13 +339,13 @@ def test_cli_prints_the_compiled_peak(capsys):
   peak = [line for line in out.splitlines() if "peak" in line and
           "compiled for 8 x h100" in line]
   assert len(peak) == 1 and "GiB" in peak[0]
-  assert "all-gather bf16" in out and "reduce-scatter f32" in out
+  assert "all-gather bf16" in out and "all-to-all bf16" in out
 
 
 def test_tensor_parallel_collectives_run_along_their_axes():
   # Compiled for 8 H100s as (data 4, model 2): ZeRO's gathers and
-  # reduce-scatters run along 'data' on each model rank's bf16 slice, the
-  # compiler's tensor-parallel collectives along 'model'.
+  # gradient all-to-alls run along 'data' on each model rank's bf16 slice,
+  # the compiler's tensor-parallel collectives along 'model'.
   # (attention="auto": the einsum under tensor parallelism.)
   engine, c = compile_gpt("h100", N, 3, model=2, attention="auto", **_TINY)
   mesh = engine.mesh
@@ -341,7 +353,7 @@ def test_tensor_parallel_collectives_run_along_their_axes():
   for op in analysis.collectives(c.hlo):
     along.setdefault((op.kind, op.axes(mesh)), []).append(op)
   assert ("all-gather", ("data",)) in along, sorted(along)
-  assert ("reduce-scatter", ("data",)) in along, sorted(along)
+  assert ("all-to-all", ("data",)) in along, sorted(along)
   assert any(axes == ("model",) for _, axes in along), sorted(along)
   assert "bf16" in {d for op in along[("all-gather", ("data",))]
                     for d in op.dtypes}

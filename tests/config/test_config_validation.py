@@ -50,6 +50,8 @@ _BAD = {
     "partition_activations": [1, 0, "yes", None],
     "skip_nonfinite": [1, 0, "yes", None],
     "max_consecutive_skips": [0, -1, 10.0, "10", True, 2 ** 31],
+    "quantized_weights": [1, 0, "yes", None],
+    "quantized_gradients": [1, 0, "yes", None],
 }
 # Fields that only make sense next to others: without these the error would
 # be about the combination, not about the value under test.
@@ -143,7 +145,8 @@ def test_new_fields():
   assert cfg.skip_nonfinite is True and cfg.max_consecutive_skips == 10
   names = [f.name for f in dataclasses.fields(zj.ZeroConfig)]
   assert names.index("skip_nonfinite") == names.index("delay_update") + 1
-  assert names[-1] == "max_consecutive_skips"
+  assert names[-3:] == ["max_consecutive_skips", "quantized_weights",
+                        "quantized_gradients"]
   cfg = zj.ZeroConfig(skip_nonfinite=False, max_consecutive_skips=1)
   assert (cfg.skip_nonfinite, cfg.max_consecutive_skips) == (False, 1)
   with pytest.raises(ValueError, match="max_consecutive_skips.*>= 1|"
@@ -151,6 +154,19 @@ def test_new_fields():
     zj.ZeroConfig(max_consecutive_skips=0)
   doc = zj.ZeroConfig.__doc__
   assert "skip_nonfinite:" in doc and "max_consecutive_skips:" in doc
+
+
+def test_quantized_collectives_name_the_stages_they_need():
+  assert not zj.ZeroConfig().quantized_weights
+  assert not zj.ZeroConfig().quantized_gradients
+  for stage in (0, 1, 2):
+    with pytest.raises(ValueError, match="quantized_weights needs stage=3"):
+      zj.ZeroConfig(stage=stage, quantized_weights=True)
+  with pytest.raises(ValueError, match="quantized_gradients needs stage >= 1"):
+    zj.ZeroConfig(stage=0, quantized_gradients=True)
+  cfg = zj.ZeroConfig(stage=1, quantized_gradients=np.bool_(True))
+  assert cfg.quantized_gradients is True
+  assert zj.ZeroConfig(quantized_weights=True).quantized_weights
 
 
 def test_existing_messages_still_match():

@@ -162,8 +162,8 @@ _UNSUPPORTED = [
      "data_types.grad_accum_dtype", "float32"),
     ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor",
      "pre-division"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
-     "zero_optimization.zero_quantized_weights", "ZeRO++"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}},
+     "zero_optimization.zero_hpz_partition_size", "ZeRO++"),
     ({"no_such_key": 1}, "no_such_key", "spelling"),
     ({"zero_optimization": {"stage": 2, "overlap_com": True}},
      "zero_optimization.overlap_com", "spelling"),
@@ -194,11 +194,11 @@ def test_unsupported_key_warns_and_is_dropped(config, key, why):
 def test_every_unsupported_key_is_listed_once():
   config = {"optimizer": {}, "scheduler": {}, "wandb": {"enabled": True},
             "zero_optimization": {"stage": 3,
-                                  "zero_quantized_weights": True}}
+                                  "zero_hpz_partition_size": 8}}
   with pytest.raises(ValueError, match="4 keys") as info:
     zj.from_deepspeed(config)
   for key in ("optimizer", "scheduler", "wandb",
-              "zero_optimization.zero_quantized_weights"):
+              "zero_optimization.zero_hpz_partition_size"):
     assert f"  {key}: " in str(info.value)
   with pytest.warns(UserWarning) as record:
     cfg = zj.from_deepspeed(config, unsupported="warn")
@@ -208,6 +208,23 @@ def test_every_unsupported_key_is_listed_once():
   assert all(w.filename == __file__ for w in record)
 
 
+def test_zero_plus_plus_quantization_keys_map_to_config_fields():
+  cfg = _load({"zero_optimization": {"stage": 3,
+                                     "zero_quantized_weights": True,
+                                     "zero_quantized_gradients": True}})
+  assert cfg.quantized_weights and cfg.quantized_gradients
+  off = _load({"zero_optimization": {"stage": 2,
+                                     "zero_quantized_weights": False}})
+  assert not off.quantized_weights and not off.quantized_gradients
+  # The stage rules are ZeroConfig's, named in the error.
+  with pytest.raises(ValueError, match="quantized_weights needs stage=3"):
+    zj.from_deepspeed({"zero_optimization": {
+        "stage": 2, "zero_quantized_weights": True}})
+  with pytest.raises(ValueError, match="zero_quantized_gradients"):
+    zj.from_deepspeed({"zero_optimization": {
+        "stage": 3, "zero_quantized_gradients": "yes"}})
+
+
 def test_unsupported_mode_is_checked():
   with pytest.raises(ValueError, match="unsupported must be one of"):
     zj.from_deepspeed({}, unsupported="ignore")
@@ -215,8 +232,8 @@ def test_unsupported_mode_is_checked():
 
 def test_deepspeed_defaults_written_out_are_accepted():
   cfg = _load({"fp16": {"enabled": True, "auto_cast": False},
-               "zero_optimization": {"stage": 2, "zero_quantized_weights":
-                                     False, "ignore_unused_parameters": True},
+               "zero_optimization": {"stage": 2, "zero_hpz_partition_size":
+                                     1, "ignore_unused_parameters": True},
                "data_types": {"grad_accum_dtype": "fp32"},
                "bf16": {"enabled": False}})
   assert cfg.compute_dtype == "float16" and cfg.stage == 2

@@ -168,7 +168,7 @@ def test_units_are_found_named_or_off_and_described():
 
 # ------------------------------------------------ compiled for 8 H100s
 
-# 8 blocks of width 128: Ψ = 1.7M, activations small beside the gathers.
+# 4 blocks of width 128: Ψ = 0.86M.
 _SHAPE = dict(vocab=256, d=128, heads=4, layers=4)
 
 
@@ -187,14 +187,17 @@ def _h100(framework, stage, scanned=False):
 def test_loop_written_stage3_holds_one_block_at_a_time(framework):
   s1, s2, s3 = (_h100(framework, s).memory.temp for s in (1, 2, 3))
   scanned = _h100(framework, 3, scanned=True).memory.temp
-  grad_copy = 4 * _h100(framework, 1).params  # one fp32 gradient copy
+  psi = _h100(framework, 1).params
   print(f"\n{framework}, {_SHAPE['layers']} blocks in a loop, 8 H100s, "
         f"temp MiB: stage 1 "
         f"{s1 / 2**20:.2f}, 2 {s2 / 2**20:.2f}, 3 {s3 / 2**20:.2f}; "
         f"scanned stage 3 {scanned / 2**20:.2f}")
-  assert s3 <= 0.5 * s1
+  # Stage 3 holds about one block's parameters at a time, as the scan
+  # does. (At this size activations, not parameters, fill temp.)
   assert s3 <= 1.3 * scanned
-  assert s1 - s2 >= 0.7 * grad_copy
+  # Stage 1 holds the whole local bf16 gradient until its all-to-alls;
+  # stage 2 sends each block's as backward leaves it.
+  assert s1 - s2 >= 0.7 * 2 * psi
 
 
 def _flat(tree):
@@ -210,8 +213,10 @@ def test_each_block_is_gathered_twice_and_scattered_once():
   ops = analysis.collectives(c.hlo)
   gathered = sum(o.elements * o.executions for o in ops
                  if o.kind == "all-gather")
+  # (bf16 gradients summed in fp32: each whole gradient crosses once by an
+  # all-to-all, summed on the shard.)
   scattered = sum(o.elements * o.executions for o in ops
-                  if o.kind == "reduce-scatter")
+                  if o.kind == "all-to-all")
   # Forward and remat'd backward per block; the embedding, final norm and
   # head once (min_shard_elements: the norms' small vectors are
   # replicated, never gathered).
@@ -221,6 +226,5 @@ def test_each_block_is_gathered_twice_and_scattered_once():
                    if x.size < zj.ZeroConfig().min_shard_elements)
   assert gathered == (2 * (blocks - rep_blocks) +
                       (total - blocks) - (replicated - rep_blocks))
-  # Gradients: every sharded element reduce-scattered once (results: 1/N
-  # each).
-  assert scattered * N == total - replicated
+  # Gradients: every sharded element sent once.
+  assert scattered == total - replicated

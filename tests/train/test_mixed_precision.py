@@ -99,10 +99,16 @@ def test_bf16_halves_gathered_bytes(stage):
   bf16 = _emitted_comm(stage, "bfloat16")
   assert bf16["all-gather"]["elements"] == f32["all-gather"]["elements"]
   assert bf16["all-gather"]["bytes"] * 2 == f32["all-gather"]["bytes"]
-  # Gradients are summed in fp32 by default...
-  assert bf16["reduce-scatter"]["bytes"] == f32["reduce-scatter"]["bytes"]
-  # ...and in bf16 when asked.
+  # Gradients are summed in fp32 by default, but cross in bf16: an
+  # all-to-all hands each device every device's blocks of its shard, which
+  # it sums in fp32 (a reduce-scatter's result is the fp32 shard, the
+  # all-to-all's operand the whole bf16 gradient)...
+  assert "reduce-scatter" not in bf16
+  assert (bf16["all-to-all"]["bytes"] * 2 ==
+          f32["reduce-scatter"]["bytes"] * 8)
+  # ...and by a bf16 reduce-scatter when asked to sum in bf16.
   low = _emitted_comm(stage, "bfloat16", "bfloat16")
+  assert "all-to-all" not in low
   assert low["reduce-scatter"]["bytes"] * 2 == f32["reduce-scatter"]["bytes"]
 
 

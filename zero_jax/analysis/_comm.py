@@ -37,8 +37,13 @@ def estimate_comm(psi: float, devices: int, stage: int, *,
   all-reduce each gradient shard (Ψ/N) over the R groups. Bytes follow
   ``ZeroConfig``: parameters are all-gathered in the compute dtype,
   gradients reduced (reduce-scatter, all-reduce) in the reduce dtype, fp32
-  unless asked otherwise. (XLA's CPU backend runs 16-bit collectives in
-  fp32, so there the measured bytes are 4 per element whatever the dtype.)
+  unless asked otherwise. Where the reduce dtype is wider than a 16-bit
+  compute dtype (the default), a sharded gradient crosses in the compute
+  dtype instead, by an all-to-all, and is summed on its shard in the
+  reduce dtype (``zero_jax.materialize``): the kind is ``"all-to-all"``,
+  with the same elements and volume. (XLA's CPU backend runs 16-bit
+  collectives in fp32, so there the measured bytes are 4 per element
+  whatever the dtype.)
 
   Args:
     psi: parameter count Ψ.
@@ -62,14 +67,17 @@ def estimate_comm(psi: float, devices: int, stage: int, *,
   n = data_axis(devices, replica)
   check_stage(stage)
   reduce = compute_bytes(reduce_dtype, "reduce_dtype") or 4
-  sizes = {"all-gather": compute_bytes(compute_dtype) or 4,
-           "reduce-scatter": reduce, "all-reduce": reduce}
+  compute = compute_bytes(compute_dtype) or 4
+  sizes = {"all-gather": compute, "reduce-scatter": reduce,
+           "all-to-all": compute, "all-reduce": reduce}
+  # 16-bit gradients summed wider cross as they are (see above).
+  scatter = "all-to-all" if reduce > compute else "reduce-scatter"
   r = check_replicated(replicated, psi)
   s = psi - r
   if stage == 0:
     elements = {"all-reduce": psi}
   else:
-    elements = {"reduce-scatter": s,
+    elements = {scatter: s,
                 "all-gather": 2 * s if stage == 3 else s,
                 "all-reduce": r + (s / n if replica > 1 else 0)}
   out = {kind: {"elements": float(e), "bytes": float(e * sizes[kind])}

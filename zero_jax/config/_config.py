@@ -84,9 +84,12 @@ class ZeroConfig:
       replicated compute-dtype copy of the parameters is kept for forward
       and refreshed by an all-gather in the compute dtype after each update.
     reduce_dtype: dtype gradients are summed in across devices. None (the
-      default) sums in float32 whatever the compute dtype: exact sums cost
-      twice the reduce-scatter bytes of bf16; set ``"bfloat16"`` to halve
-      them. With ``update_on="host"`` a 16-bit ``reduce_dtype`` also
+      default) sums in float32 whatever the compute dtype. A sharded
+      leaf's 16-bit gradient still crosses in 16 bits: an all-to-all hands
+      each device every device's blocks of its shard, summed there in
+      float32 (``zero_jax.materialize``), so exact sums cost a bf16
+      reduce-scatter's bytes. ``"bfloat16"`` sums in bf16 by a
+      reduce-scatter. With ``update_on="host"`` a 16-bit ``reduce_dtype`` also
       halves the gradients' bytes to the host (ZeRO-Offload's 16-bit
       gradients): they cross in it wherever one reduction made them.
     grad_accum_steps: micro-batches per step, run by a scan inside the
@@ -157,6 +160,21 @@ class ZeroConfig:
       ``skipped``; float16 keeps its loss-scale rules.
     max_consecutive_skips: after this many skipped steps in a row the next
       ``engine.step`` raises ``FloatingPointError``; must be an int >= 1.
+    quantized_weights: ZeRO++'s qwZ (DeepSpeed's
+      ``zero_quantized_weights``), stage 3 only: parameters are
+      all-gathered as int8 blocks of 256 elements, each with a float32
+      scale (about 0.51x the bytes of a bf16 gather), made from the float32
+      master shard and dequantized to ``compute_dtype`` at use. Approximate:
+      each gathered element is off by at most half its block's ``max |w| /
+      127``; gradients are taken as if the gather were exact.
+    quantized_gradients: ZeRO++'s qgZ (DeepSpeed's
+      ``zero_quantized_gradients``), stages 1-3: each sharded gradient
+      crosses as int8 blocks of 256 elements with float32 scales, by an
+      all-to-all, and every device dequantizes the blocks of its own shard
+      and sums them in float32 (about 0.26x the bytes of a float32
+      reduce-scatter). Approximate: each device's contribution is off by
+      at most half its block's ``max |g| / 127``. Replicated leaves (below
+      ``min_shard_elements``) are still all-reduced exactly.
 
   Raises:
     ValueError: on construction, when a field has the wrong type (ints must
@@ -191,6 +209,8 @@ class ZeroConfig:
   delay_update: bool = False
   skip_nonfinite: bool = True
   max_consecutive_skips: int = 10
+  quantized_weights: bool = False
+  quantized_gradients: bool = False
 
   def __post_init__(self):
     self._check_fields()
@@ -266,7 +286,7 @@ class ZeroConfig:
         self._fail(name, f"None or one of {_COMPUTE_DTYPES}",
                    "None keeps float32" + (
                        " throughout." if name == "compute_dtype" else
-                       " sums; 'bfloat16' halves the reduce-scatter bytes."))
+                       " sums; 'bfloat16' sums in bf16."))
       self._set(name, canonical)
     for name, fix in (
         ("grad_accum_steps", "None runs one micro-batch per step, or "
@@ -327,6 +347,12 @@ class ZeroConfig:
     self._check("max_consecutive_skips", check_int, 1, _INT32_MAX,
                 fix="it counts the skipped steps in a row tolerated before "
                 "engine.step raises FloatingPointError (the default is 10).")
+    self._check("quantized_weights", check_bool,
+                "True (stage 3) gathers the parameters as int8 blocks "
+                "(ZeRO++'s qwZ).")
+    self._check("quantized_gradients", check_bool,
+                "True (stages 1-3) sums the gradients from int8 blocks "
+                "(ZeRO++'s qgZ).")
 
   def _check_combinations(self) -> None:
     """Checks the fields against each other (each is valid on its own)."""
@@ -341,6 +367,16 @@ class ZeroConfig:
           " only stage 3 shards the parameters it would stream per layer; "
           "at stages 1-2 use offload_optimizer='host' with a compute_dtype "
           "to offload the fp32 master.")
+    if self.quantized_weights and self.stage != 3:
+      raise ValueError(
+          f"ZeroConfig.quantized_weights needs stage=3 (got stage="
+          f"{self.stage}): only stage 3 all-gathers the parameters in the "
+          "step; use stage=3, or quantized_weights=False.")
+    if self.quantized_gradients and self.stage == 0:
+      raise ValueError(
+          "ZeroConfig.quantized_gradients needs stage >= 1: stage 0 "
+          "all-reduces whole gradients, which qgZ does not quantize; use "
+          "stage 1-3, or quantized_gradients=False.")
     if self.delay_update and self.update_on != "host":
       raise ValueError("ZeroConfig.delay_update overlaps the host's update "
                        "with the next step: set update_on='host' (and "

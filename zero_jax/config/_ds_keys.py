@@ -262,8 +262,9 @@ QUIET: frozenset[str] = frozenset(
             ".super_offload", ".cpuadam_cores_perc")))
 
 _NOT_IMPLEMENTED = "a DeepSpeed feature that zero_jax does not implement"
-_ZERO_PP = ("ZeRO++ (quantized or hierarchical communication) is not "
-            "implemented in zero_jax")
+_ZERO_PP = ("this part of ZeRO++ is not implemented in zero_jax (its "
+            "quantized weights and gradients are: zero_quantized_weights, "
+            "zero_quantized_gradients)")
 _MONITOR = ("zero_jax does not write {what} logs: log the metrics that "
             "Engine.step returns with zero_jax.metrics.JsonlLogger (e.g. "
             "log.log(step, **metrics)), then set {key}.enabled to false")
@@ -353,9 +354,7 @@ UNSUPPORTED_WHY: Mapping[str, str] = {
         "zero_jax has no cap on the total size of replicated parameters: "
         "stage3_param_persistence_threshold (min_shard_elements) alone "
         "decides; Engine.describe() lists every replicated leaf"),
-    "zero_optimization.zero_quantized_weights": _ZERO_PP,
     "zero_optimization.zero_quantized_nontrainable_weights": _ZERO_PP,
-    "zero_optimization.zero_quantized_gradients": _ZERO_PP,
     "zero_optimization.zero_hpz_partition_size": _ZERO_PP,
     "zero_optimization.zeropp_loco_param": _ZERO_PP,
     "zero_optimization.mics_shard_size": (
@@ -376,9 +375,7 @@ DEFAULT_ONLY: Mapping[str, Any] = {
     "fp16.fp16_master_weights_and_grads": False,
     "bf16.bf16_master_weights_and_grads": False,
     "bf16.bf16_optimizer_states": False,
-    "zero_optimization.zero_quantized_weights": False,
     "zero_optimization.zero_quantized_nontrainable_weights": False,
-    "zero_optimization.zero_quantized_gradients": False,
     "zero_optimization.zero_hpz_partition_size": 1,
     "zero_optimization.mics_shard_size": -1,
     "zero_optimization.mics_hierarchical_params_gather": False,

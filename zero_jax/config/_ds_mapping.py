@@ -119,6 +119,13 @@ MAPPING: tuple[DeepSpeedKey, ...] = (
     DeepSpeedKey("zero_optimization.stage3_param_persistence_threshold",
                  "min_shard_elements", _persistence,
                  "the threshold + 1 (absent: 1024)"),
+    DeepSpeedKey("zero_optimization.zero_quantized_weights",
+                 "quantized_weights", as_bool,
+                 "ZeRO++'s qwZ: int8 parameter all-gathers; stage 3 only"),
+    DeepSpeedKey("zero_optimization.zero_quantized_gradients",
+                 "quantized_gradients", as_bool,
+                 "ZeRO++'s qgZ: int8 gradient all-to-alls, summed in "
+                 "float32; stages 1-3"),
     DeepSpeedKey("zero_optimization.offload_optimizer.device",
                  "offload_optimizer", None, _DEVICE),
     DeepSpeedKey("zero_optimization.offload_param.device", "offload_params",

@@ -99,6 +99,28 @@ class Materialize(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Quantize:
+  """ZeRO++'s quantized collectives (arXiv:2306.10209), both approximate.
+
+  A quantized array crosses as int8 blocks of ``block`` elements along its
+  last dimension (the whole of that dimension where ``block`` does not
+  divide it), each with its own float32 scale, ``max |x| / 127``: an
+  element is off by at most half its block's scale.
+
+  Attributes:
+    weights: qwZ: stage 3's parameter all-gathers move int8 blocks, made
+      from the float32 master shard and dequantized at use.
+    gradients: qgZ: gradients cross as int8 blocks by an all-to-all, and
+      each device dequantizes its shard's blocks and sums them in float32.
+    block: elements per scale.
+  """
+
+  weights: bool = False
+  gradients: bool = False
+  block: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
   """The layout decisions of one ``ZeroConfig``.
 
@@ -120,6 +142,7 @@ class Placement:
       on the host) and one micro-batch per step: each gradient shard goes
       to host memory as backward makes it (ZeRO-Offload), and the update
       reads it from there.
+    quantize: ZeRO++'s quantized collectives, where asked for.
     counts_skips: the state keeps a ``LossScaleState`` (loss scaling, or
       ``skip_nonfinite``, where its scale stays 1): its ``skipped`` count
       says how many updates were applied, which is where the learning rate
@@ -138,6 +161,7 @@ class Placement:
   loss_scaling: bool
   grads_on_host: bool = False
   compute_memory: Memory = Memory.DEVICE
+  quantize: Quantize = Quantize()
   counts_skips: bool = False
 
   @classmethod
@@ -155,6 +179,8 @@ class Placement:
     offload_params = bool(config.offload_params)
     loss_scaling = config.compute_dtype == "float16"
     counts_skips = loss_scaling or config.skip_nonfinite
+    quantize = Quantize(weights=config.quantized_weights,
+                        gradients=config.quantized_gradients)
     if config.update_on == "host":
       # ZeRO-Offload's split: the device only ever holds the compute copy.
       gather_from = None
@@ -170,6 +196,7 @@ class Placement:
                                  Memory.DEVICE),
                  gather_from=gather_from, update=UpdateKind.HOST,
                  loss_scaling=loss_scaling, counts_skips=counts_skips,
+                 quantize=quantize,
                  grads_on_host=stage == 3 and grad_accum_steps == 1)
     compute_copy = None
     if stage in (1, 2) and cd is not None:
@@ -194,7 +221,7 @@ class Placement:
                            Memory.DEVICE),
                compute_copy=compute_copy, gather_from=gather_from,
                update=update, loss_scaling=loss_scaling,
-               counts_skips=counts_skips,
+               counts_skips=counts_skips, quantize=quantize,
                grads_on_host=(gather_from in (GatherFrom.COMPUTE,
                                               GatherFrom.HOST_MASTER)
                               and update is UpdateKind.STREAMED
@@ -258,6 +285,16 @@ class Placement:
 
   def describe(self) -> list[str]:
     """One line per decision, for ``Engine.describe()``."""
+    q = self.quantize
+    quantized = [what for on, what in (
+        (q.weights, "parameter all-gathers (qwZ)"),
+        (q.gradients, "gradient reductions of sharded leaves (qgZ)")) if on]
+    # (First: the last line may introduce the streamed update's list.)
+    return ([f"ZeRO++ int8 blocks of {q.block} (approximate): "
+             + " and ".join(quantized)] if quantized else []) + self._where()
+
+  def _where(self) -> list[str]:
+    """Where each part of the state lives and the update runs."""
     dtype = self.compute_dtype.name if self.compute_dtype else "float32"
     if self.update is UpdateKind.HOST:
       lines = ["fp32 master and optimizer state: in host RAM, split over "

@@ -2,14 +2,15 @@
 gradient a shard again.
 
 The per-leaf collectives over ``data`` (all-gather, reduce-scatter, and the
-custom-VJP pairs of the two), the ``Materializer`` that chooses among them
+custom-VJP pairs of the two; ZeRO++'s int8 blocks for them), the ``Materializer`` that chooses among them
 for a placement, and the ``LossContext`` through which the train step tells
 the layer helpers which arrays it handed to ``loss_fn``.
 """
 
-from zero_jax.materialize._collectives import (cast, gather_from,
-                                               gather_leaf, gather_replicated,
-                                               psum_leaf, reduce_leaf,
+from zero_jax.materialize._collectives import (cast, dequantize_blocks,
+                                               gather_from, gather_leaf,
+                                               gather_replicated, psum_leaf,
+                                               quantize_blocks, reduce_leaf,
                                                reduce_tree,
                                                use_with_scattered_grad, zeros)
 from zero_jax.materialize._context import (LossContext, current,
@@ -22,11 +23,13 @@ __all__ = [
     "Materializer",
     "cast",
     "current",
+    "dequantize_blocks",
     "gather_from",
     "gather_leaf",
     "gather_replicated",
     "handing_over",
     "psum_leaf",
+    "quantize_blocks",
     "reduce_leaf",
     "reduce_tree",
     "use_with_scattered_grad",

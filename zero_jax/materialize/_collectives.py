@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zero_jax._compat import varying_axes
-from zero_jax.layout import (DATA, MODEL, LeafPlan, batch_axes, map_leaves,
-                             replica_axes)
+from zero_jax.layout import (DATA, MODEL, LeafPlan, Quantize, batch_axes,
+                             map_leaves, replica_axes)
 
 
 def cast(x: jax.Array, dtype) -> jax.Array:
@@ -94,27 +94,129 @@ def _whole_model_spec(lp: LeafPlan) -> P:
              for d, e in enumerate(lp.model_spec)])
 
 
-def _gather_data(lp: LeafPlan, x: jax.Array) -> jax.Array:
-  """All-gather of a sharded leaf over ``data`` (forward only: the
-  callers' custom rules give its transpose, ``_scatter_data``)."""
-  if not lp.both:
-    return _region(lp, lambda x: jax.lax.all_gather(x, DATA, axis=lp.dim,
-                                                    tiled=True), x)
-  # Data major: block (d, m) of the dimension is on device (d, m), so
-  # gathering over ``model`` first gives data block d, then over ``data``
-  # the whole dimension.
-  return _region(
-      lp, lambda x: jax.lax.all_gather(
-          jax.lax.all_gather(x, MODEL, axis=lp.dim, tiled=True), DATA,
-          axis=lp.dim, tiled=True), x, out_spec=_whole_model_spec(lp))
+def _major_gather(x: jax.Array, dim: int) -> jax.Array:
+  """All-gather over ``data`` along ``dim``, the shards stacked along a new
+  leading dimension first.
+
+  GPU all-gathers concatenate along the most major dimension. Asked for
+  another, XLA gives the operand a layout where ``dim`` is major, and for
+  a scanned layer's slice it does so once, for the whole stack before the
+  loop: a transposed copy of every layer's float32 shards (2.7 GiB a
+  device at 6.7B on 8 H100s). Stacked along a new dimension, the shards
+  need no layout of their own; what is moved is the gathered 16-bit layer,
+  one at a time.
+  """
+  if dim == 0:
+    return jax.lax.all_gather(x, DATA, axis=0, tiled=True)
+  y = jnp.moveaxis(jax.lax.all_gather(x, DATA, axis=0), 0, dim)
+  return y.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 1:])
 
 
-def _scatter_data(lp: LeafPlan, g: jax.Array) -> jax.Array:
+def _blocks_major(g: jax.Array, dim: int) -> jax.Array:
+  """``g`` with ``dim`` cut into one block per ``data`` device, the blocks
+  stacked along a new leading dimension (see ``_major_gather``)."""
+  n = jax.lax.axis_size(DATA)
+  shape = g.shape
+  g = g.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1:])
+  return jnp.moveaxis(g, dim, 0)
+
+
+def quantize_blocks(x: jax.Array, block: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """``x`` as int8 blocks along its last dimension and their float32 scales
+  (``layout.Quantize``): ``x ~= q * scale`` per block.
+
+  Args:
+    x: a floating array of at least one dimension.
+    block: elements per block (the whole last dimension where it does not
+      divide it).
+
+  Returns:
+    ``(q, scale)``: ``q`` int8 of ``x``'s shape, ``scale`` float32 of
+    ``x.shape[:-1] + (blocks,)``. A block holding inf or nan gets an inf or
+    nan scale, so dequantizing it gives a non-finite value again (the step
+    sees it and is skipped).
+  """
+  k = x.shape[-1]
+  b = block if k % block == 0 else k
+  xb = x.astype(jnp.float32).reshape(x.shape[:-1] + (k // b, b))
+  scale = jnp.max(jnp.abs(xb), axis=-1) / 127
+  safe = jnp.where(scale == 0, 1.0, scale)
+  q = jnp.clip(jnp.round(xb / safe[..., None]), -127, 127).astype(jnp.int8)
+  return q.reshape(x.shape), scale
+
+
+def dequantize_blocks(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+  """``quantize_blocks``'s inverse, in ``dtype``."""
+  k, blocks = q.shape[-1], scale.shape[-1]
+  x = (q.astype(jnp.float32).reshape(q.shape[:-1] + (blocks, k // blocks)) *
+       scale[..., None])
+  return x.reshape(q.shape).astype(dtype)
+
+
+def _gather_data(lp: LeafPlan, x: jax.Array, dtype=None,
+                 quantize: Quantize | None = None) -> jax.Array:
+  """All-gather of a sharded leaf over ``data``, in ``dtype``, as int8
+  blocks with ``quantize.weights`` (forward only: the callers' custom
+  rules give its transpose, ``_scatter_data``)."""
+
+  def whole(x):
+    if not lp.both:
+      return _major_gather(x, lp.dim)
+    # Data major: block (d, m) of the dimension is on device (d, m), so
+    # gathering over ``model`` first gives data block d, then over
+    # ``data`` the whole dimension.
+    return jax.lax.all_gather(
+        jax.lax.all_gather(x, MODEL, axis=lp.dim, tiled=True), DATA,
+        axis=lp.dim, tiled=True)
+
+  def gather(x):
+    # (On each model rank's own slice of a model-split leaf: its blocks
+    # and scales are its own.)
+    if quantize is None or not quantize.weights:
+      return whole(cast(x, dtype))
+    q, scale = quantize_blocks(x, quantize.block)
+    return dequantize_blocks(whole(q), whole(scale), dtype or x.dtype)
+
+  return _region(lp, gather, x,
+                 out_spec=_whole_model_spec(lp) if lp.both else None)
+
+
+def _reduce_scatter(g: jax.Array, dim: int, reduce_dtype,
+                    quantize: Quantize | None) -> jax.Array:
+  """Sums ``g`` over ``data`` into this device's block of ``dim``.
+
+  A reduce-scatter in ``reduce_dtype``, unless that would widen ``g``
+  (16-bit gradients, float32 sums: the default) or ``quantize.gradients``
+  asks for int8: then an all-to-all hands each device every device's block
+  of its own shard, in ``g``'s dtype or as int8 blocks, which it widens
+  and sums locally. Widened, that is as exact as a float32 reduce-scatter
+  (the same values summed in float32) for the bytes of a 16-bit one, and
+  no whole gradient is held in float32: the widening fuses into the sum of
+  the received blocks, a shard's worth.
+  """
+  blocks = _blocks_major(g, dim)
+  to_all = lambda x: jax.lax.all_to_all(x, DATA, 0, 0, tiled=True)
+  if quantize is not None and quantize.gradients:
+    q, scale = quantize_blocks(blocks, quantize.block)
+    # Block j of every device goes to device j, stacked by its sender.
+    return jnp.sum(dequantize_blocks(to_all(q), to_all(scale), jnp.float32),
+                   axis=0)
+  if (reduce_dtype is not None and
+      jnp.dtype(reduce_dtype).itemsize > g.dtype.itemsize):
+    return jnp.sum(to_all(blocks).astype(reduce_dtype), axis=0)
+  return jax.lax.psum_scatter(cast(blocks, reduce_dtype), DATA,
+                              scatter_dimension=0)
+
+
+def _scatter_data(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
+                  quantize: Quantize | None = None) -> jax.Array:
   """Reduce-scatter of a whole gradient over ``data`` into the leaf's
-  shard (then summed across replica groups by the caller)."""
+  shard (``_reduce_scatter``; then summed across replica groups by the
+  caller)."""
   if not lp.both:
-    return _region(lp, lambda g: jax.lax.psum_scatter(
-        g, DATA, scatter_dimension=lp.dim, tiled=True), g)
+    return _region(lp, lambda g: _reduce_scatter(g, lp.dim, reduce_dtype,
+                                                 quantize), g)
 
   def own(g):
     # g is the whole dimension, the same on every model rank: keep this
@@ -126,52 +228,55 @@ def _scatter_data(lp: LeafPlan, g: jax.Array) -> jax.Array:
     g = jax.lax.dynamic_index_in_dim(g, jax.lax.axis_index(MODEL),
                                      lp.dim + 1, keepdims=False)
     g = g.reshape(shape[:lp.dim] + (n * k,) + shape[lp.dim + 1:])
-    return jax.lax.psum_scatter(g, DATA, scatter_dimension=lp.dim,
-                                tiled=True)
+    return _reduce_scatter(g, lp.dim, reduce_dtype, quantize)
 
   return _region(lp, own, g, in_spec=_whole_model_spec(lp))
 
 
 def _scatter_grad(lp: LeafPlan, g: jax.Array, reduce_dtype,
-                  like: jax.Array):
+                  like: jax.Array, quantize: Quantize | None = None):
   """Reduce-scatter over ``data``, then all-reduce across replica groups,
   in the dtype of ``like`` (``_like_of`` the shard). Where the shard itself
   varies across groups (a block's barrier made it so: zero_jax.layers.layer), the
   sum across groups is left to that variation's transpose."""
-  g = _scatter_data(lp, cast(g, reduce_dtype))
+  g = _scatter_data(lp, g, reduce_dtype, quantize)
   axes = tuple(a for a in replica_axes() if a not in varying_axes(like))
   if axes:
     g = _region(lp, lambda g: jax.lax.psum(g, axes), g, summed=axes)
   return g.astype(like.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gather_mixed(lp: LeafPlan, compute_dtype, reduce_dtype, x: jax.Array):
-  return _gather_data(lp, _to_replica_varying(x).astype(compute_dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _gather_mixed(lp: LeafPlan, compute_dtype, reduce_dtype,
+                  quantize: Quantize, x: jax.Array):
+  return _gather_data(lp, _to_replica_varying(x), compute_dtype, quantize)
 
 
-def _gather_mixed_fwd(lp, compute_dtype, reduce_dtype, x):
+def _gather_mixed_fwd(lp, compute_dtype, reduce_dtype, quantize, x):
   # Only the dtype of x is needed in backward; a zero-size residual keeps it
   # without saving the shard.
-  return (_gather_mixed(lp, compute_dtype, reduce_dtype, x), _like_of(x))
+  return (_gather_mixed(lp, compute_dtype, reduce_dtype, quantize, x),
+          _like_of(x))
 
 
-def _gather_mixed_bwd(lp, compute_dtype, reduce_dtype, res, g):
-  return (_scatter_grad(lp, g, reduce_dtype, res),)
+def _gather_mixed_bwd(lp, compute_dtype, reduce_dtype, quantize, res, g):
+  return (_scatter_grad(lp, g, reduce_dtype, res, quantize),)
 
 
 _gather_mixed.defvjp(_gather_mixed_fwd, _gather_mixed_bwd)
 
 
 def gather_leaf(lp: LeafPlan, x: jax.Array, compute_dtype=None,
-                reduce_dtype=None) -> jax.Array:
+                reduce_dtype=None, quantize: Quantize = Quantize()
+                ) -> jax.Array:
   """The full value of a leaf from its shard, in ``compute_dtype``.
 
   A sharded leaf is cast, then all-gathered (so a bf16 gather moves half the
-  bytes of fp32); a replicated one is only marked device-varying and cast.
-  Under autodiff the gradient comes back reduced in the leaf's own layout and
-  dtype: reduce-scatter (in ``reduce_dtype``) for a sharded leaf, all-reduce
-  for a replicated one.
+  bytes of fp32; int8 blocks with ``quantize.weights``); a replicated one
+  is only marked device-varying and cast. Under autodiff the gradient comes
+  back reduced in the leaf's own layout and dtype: reduce-scattered (summed
+  in ``reduce_dtype``; see ``_reduce_scatter``) for a sharded leaf,
+  all-reduced for a replicated one.
   """
   if not lp.sharded:
     # pcast first, cast second: the all-reduce (pcast's transpose) then runs
@@ -179,19 +284,24 @@ def gather_leaf(lp: LeafPlan, x: jax.Array, compute_dtype=None,
     return cast(_region(lp, lambda x: jax.lax.pcast(x, _all_axes(),
                                                     to="varying"), x),
                 compute_dtype)
-  if compute_dtype is None and reduce_dtype is None and not lp.both:
+  if (compute_dtype is None and reduce_dtype is None and not lp.both and
+      quantize == Quantize()):
     # Plain autodiff: all_gather's transpose is psum_scatter.
     return _gather_data(lp, _to_replica_varying(x))
-  return _gather_mixed(lp, compute_dtype or x.dtype, reduce_dtype, x)
+  return _gather_mixed(lp, compute_dtype or x.dtype, reduce_dtype, quantize,
+                       x)
 
 
 def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
-                out_dtype=None) -> jax.Array:
+                out_dtype=None, quantize: Quantize = Quantize()
+                ) -> jax.Array:
   """Sums a local full gradient over devices into the leaf's layout:
-  reduce-scatter along the split dimension, or all-reduce if replicated."""
+  reduce-scatter along the split dimension (``_reduce_scatter``), or
+  all-reduce if replicated."""
   out_dtype = out_dtype or g.dtype
   if lp.sharded:
-    return _scatter_grad(lp, g, reduce_dtype, jnp.zeros((0,), out_dtype))
+    return _scatter_grad(lp, g, reduce_dtype, jnp.zeros((0,), out_dtype),
+                         quantize)
   axes = _all_axes()
   return _region(lp, lambda g: jax.lax.psum(cast(g, reduce_dtype), axes), g,
                  summed=axes).astype(out_dtype)
@@ -213,64 +323,69 @@ def zeros(lp: LeafPlan, shape: tuple[int, ...], dtype) -> jax.Array:
   return z
 
 
-def reduce_tree(plans, tree, reduce_dtype=None, out_dtype=None):
+def reduce_tree(plans, tree, reduce_dtype=None, out_dtype=None,
+                quantize: Quantize = Quantize()):
   """``reduce_leaf`` on every leaf of ``tree`` (``plans``: its plans)."""
-  return map_leaves(lambda lp, g: reduce_leaf(lp, g, reduce_dtype, out_dtype),
-                    plans, tree)
+  return map_leaves(lambda lp, g: reduce_leaf(lp, g, reduce_dtype, out_dtype,
+                                              quantize), plans, tree)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scatter_on_backward(lp: LeafPlan, reduce_dtype, shard: jax.Array,
-                         full: jax.Array):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _scatter_on_backward(lp: LeafPlan, reduce_dtype, quantize: Quantize,
+                         shard: jax.Array, full: jax.Array):
   del shard
   return full
 
 
-def _scatter_fwd(lp, reduce_dtype, shard, full):
-  del lp, reduce_dtype
+def _scatter_fwd(lp, reduce_dtype, quantize, shard, full):
+  del lp, reduce_dtype, quantize
   return full, _like_of(shard)
 
 
-def _scatter_bwd(lp, reduce_dtype, res, g):
+def _scatter_bwd(lp, reduce_dtype, quantize, res, g):
   # The cotangent of the full copy is reduce-scattered right where backward
   # produces it and becomes the cotangent of the shard; the full copy itself
   # gets none (it is not what we differentiate with respect to).
-  return (_scatter_grad(lp, g, reduce_dtype, res), jnp.zeros_like(g))
+  return (_scatter_grad(lp, g, reduce_dtype, res, quantize),
+          jnp.zeros_like(g))
 
 
 _scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)
 
 
 def use_with_scattered_grad(lp: LeafPlan, shard: jax.Array,
-                            full: jax.Array, reduce_dtype=None) -> jax.Array:
+                            full: jax.Array, reduce_dtype=None,
+                            quantize: Quantize = Quantize()) -> jax.Array:
   """Returns ``full`` (a device-varying replicated copy) such that the
   gradient with respect to ``shard`` is the reduce-scattered gradient of
   ``full`` (summed in ``reduce_dtype``, returned in ``shard``'s dtype),
   computed as soon as backward reaches this use (ZeRO-2)."""
-  return _scatter_on_backward(lp, reduce_dtype, shard, full)
+  return _scatter_on_backward(lp, reduce_dtype, quantize, shard, full)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _gather_from(lp: LeafPlan, compute_dtype, reduce_dtype, to_device: bool,
-                 grad_to_host: bool, stand_in: jax.Array, source: jax.Array):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _gather_from(lp: LeafPlan, compute_dtype, reduce_dtype,
+                 quantize: Quantize, to_device: bool, grad_to_host: bool,
+                 stand_in: jax.Array, source: jax.Array):
   del stand_in, grad_to_host
   if to_device:
     source = jax.device_put(source, jax.memory.Space.Device)
-  return _gather_data(lp, _to_replica_varying(source).astype(compute_dtype))
+  return _gather_data(lp, _to_replica_varying(source), compute_dtype,
+                      quantize)
 
 
-def _gather_from_fwd(lp, compute_dtype, reduce_dtype, to_device,
+def _gather_from_fwd(lp, compute_dtype, reduce_dtype, quantize, to_device,
                      grad_to_host, stand_in, source):
-  out = _gather_from(lp, compute_dtype, reduce_dtype, to_device,
+  out = _gather_from(lp, compute_dtype, reduce_dtype, quantize, to_device,
                      grad_to_host, stand_in, source)
   return out, _like_of(stand_in)
 
 
-def _gather_from_bwd(lp, compute_dtype, reduce_dtype, to_device,
+def _gather_from_bwd(lp, compute_dtype, reduce_dtype, quantize, to_device,
                      grad_to_host, res, g):
   # The source gets no gradient (None: a symbolic zero, which also suits a
   # source in host memory).
-  grad = _scatter_grad(lp, g, reduce_dtype, res)
+  grad = _scatter_grad(lp, g, reduce_dtype, res, quantize)
   if grad_to_host:
     # ZeRO-Offload: the gradient shard leaves the device as soon as
     # backward has made it.
@@ -283,8 +398,8 @@ _gather_from.defvjp(_gather_from_fwd, _gather_from_bwd)
 
 def gather_from(lp: LeafPlan, stand_in: jax.Array, source: jax.Array,
                 compute_dtype=None, reduce_dtype=None,
-                to_device: bool = False,
-                grad_to_host: bool = False) -> jax.Array:
+                to_device: bool = False, grad_to_host: bool = False,
+                quantize: Quantize = Quantize()) -> jax.Array:
   """All-gathers the shard ``source`` while sending its gradient to
   ``stand_in``.
 
@@ -296,7 +411,7 @@ def gather_from(lp: LeafPlan, stand_in: jax.Array, source: jax.Array,
   host memory if ``grad_to_host``.
   """
   return _gather_from(lp, compute_dtype or source.dtype, reduce_dtype,
-                      to_device, grad_to_host, stand_in, source)
+                      quantize, to_device, grad_to_host, stand_in, source)
 
 
 def gather_replicated(plan: Any, tree: Any, dtype: Any = None) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from zero_jax.layout import LeafPlan, Materialize
+from zero_jax.layout import LeafPlan, Materialize, Quantize
 from zero_jax.materialize import _collectives as collectives
 
 
@@ -39,6 +39,8 @@ class Materializer:
     reduce_dtype: dtype gradients are summed in (None: as computed).
     to_device: ``GATHER_FROM``: the source is in host memory.
     grad_to_host: ``GATHER_FROM``: the gradient shard goes to host memory.
+    quantize: ZeRO++'s quantized gathers (``GATHER``, ``GATHER_FROM``) and
+      gradient reductions (all three).
   """
 
   kind: Materialize
@@ -46,6 +48,7 @@ class Materializer:
   reduce_dtype: Any = None
   to_device: bool = False
   grad_to_host: bool = False
+  quantize: Quantize = Quantize()
 
   def __call__(self, plan: LeafPlan, shard: jax.Array,
                source: jax.Array | None) -> jax.Array:
@@ -53,13 +56,14 @@ class Materializer:
     that slice's plan), for use inside ``shard_map``."""
     if self.kind is Materialize.GATHER:
       return collectives.gather_leaf(plan, shard, self.compute_dtype,
-                                     self.reduce_dtype)
+                                     self.reduce_dtype, self.quantize)
     if self.kind is Materialize.GATHER_FROM:
       return collectives.gather_from(plan, shard, source, self.compute_dtype,
                                      self.reduce_dtype, self.to_device,
-                                     self.grad_to_host)
+                                     self.grad_to_host, self.quantize)
     return collectives.use_with_scattered_grad(plan, shard, source,
-                                               self.reduce_dtype)
+                                               self.reduce_dtype,
+                                               self.quantize)
 
 
 # (eq=False: the fields hold traced arrays, which must never be compared.)

@@ -82,7 +82,8 @@ class _Local:
     # in it already, so nothing is rounded.)
     pl = self.placement
     return materialize.reduce_tree(self.plans, g, pl.reduce_dtype,
-                                   pl.host_grad_dtype or jnp.float32)
+                                   pl.host_grad_dtype or jnp.float32,
+                                   pl.quantize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,8 @@ class _Sharded:
     return [materialize.Materializer(
         pl.materialize, pl.compute_dtype, pl.reduce_dtype,
         to_device=gather_from and pl.gathers_from_host,
-        grad_to_host=gather_from and to_host) for to_host in self.grads_to_host]
+        grad_to_host=gather_from and to_host, quantize=pl.quantize)
+            for to_host in self.grads_to_host]
 
   def wrt(self, params: Any, source: Any) -> Any:
     pl = self.placement
