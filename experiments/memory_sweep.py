@@ -46,19 +46,16 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax import analysis
-from zero_jax.analysis import (compiled_memory, paper_model_state_bytes,
-                             param_count, per_device_bytes)
-from zero_jax.layout import DATA, layout_mesh
-from zero_jax.layout import Plan, plan_leaf
-from zero_jax.models import GPT, GPTConfig, block, layer_norm, make_loss_fn
+from zero_jax.analysis import (paper_model_state_bytes, param_count,
+                               per_device_bytes)
+from zero_jax.layout import plan_leaf
+from zero_jax.models import GPT, GPTConfig, make_loss_fn
 
 zj.simulate_cpu_devices(8)  # before anything lists devices
 
@@ -148,73 +145,20 @@ def traffic(comm: dict[str, float]) -> float:
 # ------------------------------------------------------------------- peers
 
 
-def pinned_loss_fn(graphdef, config: GPTConfig, mesh):
-  """``make_loss_fn(graphdef)``'s loss with activations pinned to ``data``.
-
-  The same forward as ``GPT.__call__`` (same pure ops, same
-  ``zj.scan_layers``, which outside an engine is a remat'd ``lax.scan``),
-  plus a batch-sharding constraint on the hidden state at every block
-  boundary and on the logits, as MaxText's logical ``activation_batch``
-  annotations do. Without them GSPMD shards the activations like the
-  weights instead of gathering the weights (the "gspmd" run).
-  """
-  batch_sharded = NamedSharding(mesh, P(DATA))
-  pin = lambda x: jax.lax.with_sharding_constraint(x, batch_sharded)
-
-  def loss_fn(params, batch):
-    model = nnx.merge(graphdef, params)
-    tokens = batch["tokens"]
-    inputs = tokens[:, :-1]
-    h = pin(model.tok_emb[...][inputs] + model.pos_emb[...][:inputs.shape[1]])
-
-    def body(h, layer):
-      return pin(block(h, layer, n_heads=config.n_heads)), None
-
-    h, _ = zj.scan_layers(body, h, model.blocks.stacked())
-    h = layer_norm(h, model.ln_f_scale[...], model.ln_f_bias[...])
-    logits = pin((h @ model.head[...]).astype(jnp.float32))
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, tokens[:, 1:]).mean()
-
-  return loss_fn
-
-
 def compile_peer(loss_fn, tx, params, batch, mesh):
-  """One plain jit with sharded in/out; GSPMD inserts every collective.
-
-  Params and every optimizer-state leaf are split over ``data`` on their
-  largest divisible dimension (ZeRO-3's rule and threshold, via
-  ``zero_jax.layout.Plan``), the batch on its leading dimension. Nothing is
-  materialised: the step is lowered from shapes and shardings.
+  """One plain jit with sharded in/out; GSPMD inserts every collective
+  (``zero_jax.analysis.compile_gspmd_step``: params and optimizer state
+  laid out by ZeRO-3's plan and threshold, the batch split on its leading
+  dimension, nothing materialised).
 
   Returns:
     The compiled step's memory and HLO text, and its (params, opt_state)
     bytes per device.
   """
-  abstract = lambda tree, shardings: jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      tree, shardings)
-  param_sh = Plan(params, mesh, 3, MIN_SHARD_ELEMENTS).shardings
-  opt_shapes = jax.eval_shape(tx.init, params)
-  opt_sh = Plan(opt_shapes, mesh, 3, MIN_SHARD_ELEMENTS).shardings
-  batch_sh = jax.tree.map(
-      lambda _: NamedSharding(layout_mesh(mesh), P(DATA)), batch)
-
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  jitted = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
-                   out_shardings=(param_sh, opt_sh,
-                                  NamedSharding(layout_mesh(mesh), P())),
-                   donate_argnums=(0, 1))
-  args = (abstract(params, param_sh), abstract(opt_shapes, opt_sh),
-          abstract(batch, batch_sh))
-  with jax.set_mesh(mesh):
-    compiled = jitted.lower(*args).compile()
-  return (compiled_memory(compiled), compiled.as_text(),
-          per_device_bytes(args[:2]))
+  state, c = analysis.compile_gspmd_step(
+      loss_fn, tx, params, batch, mesh,
+      min_shard_elements=MIN_SHARD_ELEMENTS)
+  return c.memory, c.hlo, per_device_bytes(state)
 
 
 def compile_zero(loss_fn, tx, params, batch, mesh, stage: int):
@@ -248,7 +192,8 @@ def sweep(args, graphdef, config, tx, params, batch) -> list[Row]:
       t = time.perf_counter()
       if run == "fsdp":
         mem, text, state = compile_peer(
-            pinned_loss_fn(graphdef, config, mesh), tx, params, batch, mesh)
+            analysis.pinned_gpt_loss(graphdef, mesh), tx, params, batch,
+            mesh)
       elif run == "gspmd":
         mem, text, state = compile_peer(loss_fn, tx, params, batch, mesh)
       else:
@@ -556,8 +501,8 @@ def main() -> None:
   # it is the same loss before comparing anything.
   mesh = zj.make_mesh(num_devices=max(ns))
   ref = float(jax.jit(make_loss_fn(graphdef))(params, batch))
-  pinned = float(jax.jit(pinned_loss_fn(graphdef, config, mesh))(params,
-                                                                  batch))
+  pinned = float(jax.jit(analysis.pinned_gpt_loss(graphdef, mesh))(params,
+                                                                     batch))
   if abs(pinned - ref) > 1e-5 * abs(ref):
     raise SystemExit(f"FSDP loss {pinned} != make_loss_fn's {ref}")
   print(f"FSDP peer's loss = make_loss_fn's: {pinned:.6f} vs {ref:.6f}\n")

@@ -8,7 +8,10 @@
   text: ``collectives``, ``summarize``, ``summarize_by_dtype``; the bytes
   it moves between host and device memory: ``host_transfers``);
 - compiling the train step for NVIDIA GPUs without one (``gpu_mesh``,
-  ``compile_step``; the reference GPT: ``compile_gpt``). Ask for the GPUs
+  ``compile_step``; the reference GPT: ``compile_gpt``, and its GSPMD FSDP
+  peer: ``compile_gspmd_gpt``, ``compile_gspmd_step``, ``pinned_gpt_loss``)
+  and which of a compiled GPU program's asynchronous collectives overlap a
+  gemm (``overlap``, ``overlap_summary``). Ask for the GPUs
   before anything touches JAX's devices: without a GPU, JAX's CUDA plugin
   starts only with ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` set, which
   ``gpu_mesh`` sets then (importing this package sets nothing);
@@ -21,7 +24,9 @@ from zero_jax.analysis._aot import (INSTALL_HINT, TARGETS, CompiledStep,
 from zero_jax.analysis._cli import main
 from zero_jax.analysis._arguments import parse_count
 from zero_jax.analysis._comm import comm_in_psi, comm_volume, estimate_comm
-from zero_jax.analysis._gpt_step import compile_gpt, gpt_shapes
+from zero_jax.analysis._gpt_step import (compile_gpt, compile_gspmd_gpt,
+                                         compile_gspmd_step, gpt_shapes,
+                                         pinned_gpt_loss)
 from zero_jax.analysis._hlo import (Collective, axes_of, collectives,
                                     replica_groups, summarize,
                                     summarize_by_dtype)
@@ -33,15 +38,19 @@ from zero_jax.analysis._memory import (OPTIMIZER_STATE_BYTES, Estimate,
                                        optimizer_state_bytes,
                                        paper_estimate,
                                        paper_model_state_bytes)
+from zero_jax.analysis._overlap import (AsyncCollective, OverlapCount,
+                                        overlap, overlap_summary)
 from zero_jax.analysis._transfers import Transfers, host_transfers
 
 __all__ = [
+    "AsyncCollective",
     "Collective",
     "CompiledMemory",
     "CompiledStep",
     "Estimate",
     "INSTALL_HINT",
     "OPTIMIZER_STATE_BYTES",
+    "OverlapCount",
     "TARGETS",
     "Transfers",
     "abstract_batch",
@@ -51,6 +60,8 @@ __all__ = [
     "comm_in_psi",
     "comm_volume",
     "compile_gpt",
+    "compile_gspmd_gpt",
+    "compile_gspmd_step",
     "compile_step",
     "compiled_memory",
     "estimate_activations",
@@ -62,11 +73,14 @@ __all__ = [
     "host_transfers",
     "main",
     "optimizer_state_bytes",
+    "overlap",
+    "overlap_summary",
     "paper_estimate",
     "paper_model_state_bytes",
     "param_count",
     "parse_count",
     "per_device_bytes",
+    "pinned_gpt_loss",
     "replica_groups",
     "summarize",
     "summarize_by_dtype",
