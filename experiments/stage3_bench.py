@@ -379,7 +379,8 @@ def main() -> None:
          **in_subprocess(spec, args)}
     rows.append(r)
     done = (f"peak {gib(r['peak_bytes'])} GiB, temp {gib(r['temp_bytes'])} "
-            f"GiB, AG {ratio(r, GATHER)} and RS {ratio(r, REDUCE)} "
+            f"GiB, AG {ratio(r, GATHER)} and gradient sums "
+            f"{ratio(r, *reductions(r))} "
             f"overlapping a gemm, compiled in {r['compile_s']:.0f} s "
             f"(host {gib(r['host_rss_bytes'])} GiB)"
             if r["status"] == "ok" else r["status"])
