@@ -298,3 +298,17 @@ def summarize_by_dtype(hlo_text: str) -> dict[tuple[str, str], dict[str, int]]:
       d["elements"] += n * c.executions
       d["bytes"] += n * dtype_bytes(dtype) * c.executions
   return s
+
+
+def closing_paren(text: str, start: int) -> int:
+  """Index of the parenthesis closing the one opened at ``text[start]``
+  (the last index of ``text`` if it never closes)."""
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] == "(":
+      depth += 1
+    elif text[i] == ")":
+      depth -= 1
+      if depth == 0:
+        return i
+  return len(text) - 1

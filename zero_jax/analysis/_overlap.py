@@ -166,33 +166,20 @@ class OverlapCount:
     return f"{self.overlapped}/{self.total}"
 
 
-def _balanced(text: str, pos: int) -> int:
-  """The index just past the parenthesis that closes ``text[pos]``."""
-  depth = 0
-  for i in range(pos, len(text)):
-    if text[i] == "(":
-      depth += 1
-    elif text[i] == ")":
-      depth -= 1
-      if depth == 0:
-        return i + 1
-  return len(text)
-
-
 def _parse_op(line: str) -> _Op | None:
   m = _INSTRUCTION.match(line)
   if not m:
     return None
   pos = m.end()
   if line.startswith("(", pos):
-    end = _balanced(line, pos)
+    end = hlo.closing_paren(line, pos) + 1
   else:
     end = pos + len(line[pos:].split(None, 1)[0])
   shape = line[pos:end]
   op = _OPCODE.match(line, end)
   if not op:
     return None
-  close = _balanced(line, op.end() - 1)
+  close = hlo.closing_paren(line, op.end() - 1) + 1
   operands = tuple(re.findall(r"%([^\s,)]+)", line[op.end():close - 1]))
   rest = line[close:]
   callees = []

@@ -128,7 +128,7 @@ def host_transfers(hlo_text: str) -> Transfers:
     if op.endswith("-start") and result.startswith("(("):
       # An async start's result is (operands, result, context): the
       # operands' arrays come first and are read from the line's operands.
-      n_operands = len(_arrays(result[1:_matching(result, 1) + 1]))
+      n_operands = len(_arrays(result[1:_hlo.closing_paren(result, 1) + 1]))
       arrays = arrays[n_operands:n_operands + 1]
     elif op == "copy-start":
       # (destination, source, context)
@@ -156,26 +156,15 @@ def device_outputs_bytes(hlo_text: str) -> int:
   start = first.find(key)
   if start < 0:
     return 0
-  args_end = _matching(first, start + len(key) - 1)
+  args_end = _hlo.closing_paren(first, start + len(key) - 1)
   out = first[args_end + 1:]
   if not out.startswith("->"):
     return 0
   out = out[2:]
   if out.startswith("("):
-    out = out[:_matching(out, 0) + 1]
+    out = out[:_hlo.closing_paren(out, 0) + 1]
   else:
     out = out.split("}", 1)[0] + "}"
   return sum(a.nbytes for a in _arrays(out) if not a.on_host)
 
 
-def _matching(text: str, start: int) -> int:
-  """Index of the parenthesis closing the one opened at ``text[start]``."""
-  depth = 0
-  for i in range(start, len(text)):
-    if text[i] == "(":
-      depth += 1
-    elif text[i] == ")":
-      depth -= 1
-      if depth == 0:
-        return i
-  return len(text) - 1
