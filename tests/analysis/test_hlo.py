@@ -59,10 +59,25 @@ def test_loop_trip_counts_multiply():
     ("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], "
      "device_ids=([4,2]T(1,0)) {'axis_1'}", ((0, 1), (2, 3), (4, 5),
                                              (6, 7))),
+    # Shardy's sub-axes (jax 0.12): 'data':(1)4 is the major 4 of 'data'
+    # (after sub-axes of product 1), as the same all-to-all's groups read
+    # with Shardy off: mesh['axis_0'=4,'axis_1'=2] {'axis_0'}.
+    ("replica_groups=mesh['data'=8] {'data':(1)4}",
+     ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ("replica_groups=mesh['data'=8] {'data':(4)2}",
+     ((0, 1), (2, 3), (4, 5), (6, 7))),
+    ("replica_groups=mesh['data'=8,'model'=2] {'data':(2)4}",
+     ((0, 2, 4, 6), (1, 3, 5, 7), (8, 10, 12, 14), (9, 11, 13, 15))),
 ])
 def test_replica_groups_in_every_form_xla_prints(text, groups):
   line = f"%ag = f32[8]{{0}} all-gather(%p), channel_id=1, {text}, dims"
   assert analysis.replica_groups(line) == groups
+
+
+def test_unreadable_sub_axes_give_no_groups():
+  line = ("%ag = f32[8]{0} all-gather(%p), replica_groups=mesh['data'=8] "
+          "{'data':(3)2}, dims")
+  assert analysis.replica_groups(line) is None
 
 
 def test_collectives_name_the_mesh_axes_they_run_along():

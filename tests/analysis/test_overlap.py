@@ -234,11 +234,13 @@ def _compiled_gather(independent: bool) -> str:
 
   def f(w, x):
     full = jax.lax.all_gather(w, "data", tiled=True)
-    return (x @ x) + full if independent else x @ full
+    # Two results where independent: (x @ x) + full would let XLA fuse the
+    # gathered weight into the gemm as its bias (jax 0.12 does).
+    return (x @ x, full * 2) if independent else (x @ full, x)
 
-  # (Each device's result stacked: out_specs need not prove replication.)
+  # (Each device's results stacked: out_specs need not prove replication.)
   g = jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P()),
-                    out_specs=P("data"))
+                    out_specs=(P("data"), P("data")))
   with jax.set_mesh(mesh):
     return jax.jit(g).lower(w, x).compile().as_text()
 
@@ -250,7 +252,10 @@ def test_compiled_gathers_overlap_an_independent_matmul_only(independent):
              if a.kind == "all-gather"]
   assert len(gathers) == 1
   [a] = gathers
-  assert a.bytes == 1024 * 1024 * 2 and a.done is not None
+  assert a.bytes == 1024 * 1024 * 2
+  # Where nothing can run beside it, XLA may make the gather synchronous
+  # (jax 0.12 does); where a gemm can, it is asynchronous and overlapped.
+  assert a.done is not None or not independent
   assert a.overlapped is independent, a
 
 

@@ -83,12 +83,15 @@ def test_save_only_named_keeps_the_named_activation_per_layer():
   # The GPT tags its MLP hidden activation (B, T, 4d) "mlp_hidden"; keeping
   # it costs one such activation per layer (batch 16 over 8 devices:
   # 2 x 16 x 512 fp32 per layer and device) more than "full", whose temp
-  # also grows per layer (saved layer inputs, gradient shards).
+  # also grows per layer (saved layer inputs, gradient shards). XLA's
+  # buffer packing moves that growth by a few KiB between versions (4.01
+  # activations on jax 0.10, 3.96 on 0.12); without the kept activation
+  # the difference would be about none.
   hidden_bytes = 2 * 16 * 4 * 128 * 4
   named = lambda L: _temp("save_only_named", ("mlp_hidden",), L)
   full = lambda L: _temp("full", (), L)
   extra_per_4_layers = (named(8) - named(4)) - (full(8) - full(4))
-  assert 4 * hidden_bytes <= extra_per_4_layers < 8 * hidden_bytes
+  assert 3.5 * hidden_bytes <= extra_per_4_layers < 8 * hidden_bytes
 
 
 def test_scan_without_engine_parameters_warns_instead_of_silently_coarse():

@@ -103,9 +103,9 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
                 r"\s*\{([^}]*)\}", g)
   sizes = [(a.strip().strip("'\""), int(n)) for a, n in
            (x.split("=") for x in mm.group(1).split(",") if x.strip())]
-  along = [a.strip().strip("'\"") for a in mm.group(3).split(",")
-           if a.strip()]
-  names = [a for a, _ in sizes]
+  along = [_sub_axis(a) for a in mm.group(3).split(",") if a.strip()]
+  if None in along:
+    return None
   count = int(np.prod([n for _, n in sizes]))
   ids = np.arange(count)
   if mm.group("ids"):
@@ -115,11 +115,41 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
     ids = ids.reshape(_ints(it.group(1)))
     if it.group(2):
       ids = ids.transpose(_ints(it.group(2)))
-  ids = ids.reshape([n for _, n in sizes])
-  keep = [names.index(a) for a in names if a not in along]
-  moved = ids.transpose(keep + [names.index(a) for a in along])
-  k = int(np.prod([dict(sizes)[a] for a in along])) if along else 1
+  # Each mesh axis split into the sub-axes the groups name (major first),
+  # so that a group along a sub-axis is a group along one dimension.
+  dims: list[tuple[str, int, int]] = []  # (axis, pre-size, size)
+  for name, n in sizes:
+    cuts = sorted({1, n} | {c for a, pre, size in along
+                            if a == name and size is not None
+                            for c in (pre, pre * size)})
+    if any(hi % lo for lo, hi in zip(cuts, cuts[1:])) or cuts[-1] != n:
+      return None
+    dims += [(name, lo, hi // lo) for lo, hi in zip(cuts, cuts[1:])]
+  ids = ids.reshape([size for _, _, size in dims] or [1])
+  picked = []
+  for axis, pre, size in along:
+    span = [i for i, (a, p, _) in enumerate(dims)
+            if a == axis and (size is None or pre <= p < pre * size)]
+    if not span:
+      return None
+    picked += span
+  keep = [i for i in range(len(dims)) if i not in picked]
+  k = int(np.prod([dims[i][2] for i in picked])) if picked else 1
+  moved = ids.transpose(keep + picked) if dims else ids
   return tuple(tuple(int(i) for i in row) for row in moved.reshape(-1, k))
+
+
+def _sub_axis(text: str) -> tuple[str, int, int | None] | None:
+  """One axis of Shardy's replica groups: ``'data'`` (the whole axis:
+  size None) or ``'data':(1)4``, a sub-axis: of size 4, after sub-axes of
+  product 1 (the major part of the axis). None where unreadable."""
+  m = re.fullmatch(r"\s*['\"]?([^'\":]+)['\"]?\s*(?::\((\d+)\)(\d+))?\s*",
+                   text)
+  if m is None:
+    return None
+  if m.group(2) is None:
+    return m.group(1), 1, None
+  return m.group(1), int(m.group(2)), int(m.group(3))
 
 
 def axes_of(groups: tuple[tuple[int, ...], ...], mesh
