@@ -23,9 +23,11 @@ from typing import Any, Callable, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from zero_jax import materialize
-from zero_jax.layout import ComputeCopy, UpdateKind
+from zero_jax.layout import (DATA, MODEL, ComputeCopy, UpdateKind, flat,
+                             plan_leaf)
 from zero_jax.train import _init, _loss_scale
 from zero_jax.train._state import TrainState, compute_copy, on_device
 
@@ -56,8 +58,8 @@ class Prepared(NamedTuple):
 
 
 def prepare(layout, grads: Any, step: jax.Array, loss_scale: Any,
-            stats: Callable[..., tuple[jax.Array, jax.Array]] | None = None
-            ) -> Prepared:
+            stats: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
+            slices: list[P | None] | None = None) -> Prepared:
   """From summed gradients to the ones to apply: unscaled (float16),
   their global norm, one overflow flag, the loss scale's update, and
   clipping. Every update strategy runs it.
@@ -66,23 +68,29 @@ def prepare(layout, grads: Any, step: jax.Array, loss_scale: Any,
   memory: their norm and finiteness are read a slice at a time, and the
   update unscales and clips each slice as it reads it (through the
   returned ``grad_fn``).
+
+  ``slices`` (``norm_slices``), per gradient leaf: the layout its norm is
+  read in, where that splits a gradient that reaches the update whole on
+  every device.
   """
   pl = layout.placement
   cfg = layout.config
   scale = loss_scale.scale if pl.loss_scaling else None
   unscale = (lambda g: g) if scale is None else (lambda g: g / scale)
+  all_finite = None
   if stats is not None:
     norm, all_finite = stats(grads, unscale)
   else:
     grads = jax.tree.map(unscale, grads)
     # Outside shard_map the gradients are global (sharded) arrays, so the
     # norm is over the whole model, exactly; XLA inserts the reduction.
-    norm = optax.tree.norm(grads)
-    # One flag for the whole model: an overflow in any shard on any
-    # device skips the update everywhere (jnp.all over global arrays
-    # reduces across devices).
-    all_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
-                                    for g in jax.tree.leaves(grads)]))
+    norm = jnp.sqrt(_squared_norm(layout, grads, slices))
+    if pl.loss_scaling:
+      # One flag for the whole model: an overflow in any shard on any
+      # device skips the update everywhere (jnp.all over global arrays
+      # reduces across devices).
+      all_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
+                                      for g in jax.tree.leaves(grads)]))
   clip = lambda g: g
   if cfg.clip_grad_norm is not None:
     c = cfg.clip_grad_norm
@@ -109,6 +117,55 @@ def prepare(layout, grads: Any, step: jax.Array, loss_scale: Any,
     metrics.update(loss_scale=scale, skipped=jnp.logical_not(finite),
                    skipped_steps=loss_scale.skipped)
   return Prepared(grads, finite, grad_fn, loss_scale, metrics, at_min)
+
+
+def norm_slices(layout) -> list[P | None]:
+  """Per gradient leaf, the slice ``prepare`` reads of it on each device
+  for the global norm: the leaf split over ``data`` as stage 3 splits it
+  (a spec over the batch axes), where the gradient reaches the update
+  whole on every device (stage 0, and the leaves a stage keeps whole,
+  where a dimension divides); None where it is split already or stays
+  whole.
+
+  Each device then squares 1/N of such a gradient and one all-reduce of a
+  scalar adds the devices' sums, where every device would read the whole
+  model (at stage 0 that was 4-11% of the step's CPU time: the GPT of
+  ``experiments/cpu_overhead.py``, 8 CPU devices).
+  """
+  mesh = layout.mesh
+  n = mesh.shape[DATA]
+  m = dict(mesh.shape).get(MODEL, 1)
+  cfg = layout.config
+  out = []
+  for lp in flat(layout.param_plan.leaves):
+    sl = None if lp.sharded else plan_leaf(
+        lp.shape, n, 3, cfg.min_shard_elements, lp.model, m)
+    out.append(sl.spec if sl is not None and sl.sharded else None)
+  return out
+
+
+def _squared_norm(layout, grads: Any, slices: list[P | None] | None
+                  ) -> jax.Array:
+  """The squared global norm of ``grads``, the leaves with a slice in
+  ``slices`` summed a slice per device (``norm_slices``)."""
+  leaves = jax.tree.leaves(grads)
+  slices = slices or [None] * len(leaves)
+  whole = [g for g, sl in zip(leaves, slices) if sl is None]
+  split = [g for g, sl in zip(leaves, slices) if sl is not None]
+  total = optax.tree.norm(whole, squared=True) if whole else 0.0
+  if not split:
+    return total
+
+  def local(*xs):
+    return jax.lax.psum(sum(jnp.sum(jnp.square(x)) for x in xs), DATA)
+
+  # Manual over ``data`` only: across ``replica`` groups (which hold the
+  # same gradients) the sum is the same, and over ``model`` the compiler
+  # partitions it itself.
+  return total + jax.shard_map(
+      local, mesh=layout.mesh, in_specs=tuple(s for s in slices
+                                              if s is not None),
+      out_specs=P(), axis_names={DATA})(*split)
 
 
 def injected_learning_rate(opt_state: Any) -> jax.Array | None:
@@ -211,7 +268,8 @@ class OnDevice:
                    out_shardings=(layout.state_shardings, r, r))
 
   def finish(self, layout, state, grads, metrics):
-    prepared = prepare(layout, grads, state.step, state.loss_scale)
+    prepared = prepare(layout, grads, state.step, state.loss_scale,
+                       slices=norm_slices(layout))
     metrics.update(prepared.metrics)
     master, opt_state = whole_update(
         layout.tx, state.params, state.opt_state, prepared.grads,
@@ -256,12 +314,43 @@ def whole_update(tx: optax.GradientTransformation, master: Any,
   # shard is local, no communication.)
   master = jax.device_put(master, on_device(shards))
   opt_state = jax.device_put(opt_state, on_device(opt_shards))
-  updates, new_opt = tx.update(grads, opt_state, master)
-  new = optax.apply_updates(master, updates), new_opt
+
+  def apply(master, opt_state):
+    updates, new_opt = tx.update(grads, opt_state, master)
+    return optax.apply_updates(master, updates), new_opt
+
   if finite is None:
-    return new
-  # A select fused into each leaf's update loop, not a lax.cond: the cond's
-  # two branches keep the old and the new state apart, which cost a 1.3B
-  # GPT's H100 step 9 GiB of temp (37.0 against 27.8 GiB).
-  return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
-                      (master, opt_state))
+    return apply(master, opt_state)
+  return jax.lax.platform_dependent(master, opt_state, cpu=_skipped_by_cond(
+      apply, finite), default=_skipped_by_select(apply, finite))
+
+
+# A skipped step keeps the old state, and each compiler wants it said its
+# own way. The GPU compilers fuse a select into each leaf's update loop,
+# where a lax.cond keeps the old and the new state apart (the 1.3B GPT's
+# stage-3 step compiled for one H100: 37.0 GiB against 27.3). XLA:CPU,
+# given the select, first copies the optimizer state (its copy insertion
+# cannot tell that the parameters' update reads the old moments before
+# theirs are overwritten in place): two fp32 copies of the model per step
+# and device, which made the stage-0 CPU step of experiments/cpu_overhead.py
+# 1.6x plain data parallelism's. Its lax.cond updates in place, copying
+# nothing.
+
+
+def _skipped_by_select(apply: Callable[[Any, Any], tuple[Any, Any]],
+                       finite: jax.Array) -> Callable[[Any, Any], tuple]:
+  """The update, its result selected per element against the old state."""
+
+  def update(master, opt_state):
+    new = apply(master, opt_state)
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
+                        (master, opt_state))
+
+  return update
+
+
+def _skipped_by_cond(apply: Callable[[Any, Any], tuple[Any, Any]],
+                     finite: jax.Array) -> Callable[[Any, Any], tuple]:
+  """The update under a ``lax.cond``: the old state when not ``finite``."""
+  return lambda master, opt_state: jax.lax.cond(
+      finite, apply, lambda m, o: (m, o), master, opt_state)
