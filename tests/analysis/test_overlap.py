@@ -288,6 +288,15 @@ def test_every_collective_of_the_stage3_step_is_accounted_for():
 
 
 @compiles_for_gpus
+def test_stage3_peak_is_at_or_below_the_gspmd_peers():
+  # Issue 30's memory goal at a small shape: the stage-3 step holds no more
+  # than GSPMD's (0.93x here, compiled for 8 H100s; at 1.3B and 6.7B
+  # experiments/stage3_bench.py measures 0.94x and 0.99x).
+  _, zero, _, gspmd = _tiny_gpt()
+  assert zero.memory.peak <= gspmd.memory.peak, (zero.memory, gspmd.memory)
+
+
+@compiles_for_gpus
 def test_gspmd_peer_holds_the_stage3_state_and_gathers_bf16():
   engine, zero, state, gspmd = _tiny_gpt()
   _, params = analysis.gpt_shapes(
