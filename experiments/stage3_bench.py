@@ -71,6 +71,8 @@ CONFIGS = {
     "reduce bf16": {"reduce_dtype": "bfloat16"},
     # ZeRO++'s quantized collectives (approximate).
     "qwZ + qgZ": {"quantized_weights": True, "quantized_gradients": True},
+    # Each scanned layer gathered one layer ahead, as one collective.
+    "prefetch": {"prefetch": True},
 }
 GSPMD = "gspmd"
 LABELS = {GSPMD: "GSPMD FSDP"}

@@ -175,6 +175,12 @@ class ZeroConfig:
       reduce-scatter). Approximate: each device's contribution is off by
       at most half its block's ``max |g| / 127``. Replicated leaves (below
       ``min_shard_elements``) are still all-reduced exactly.
+    prefetch: stage 3 with ``remat="full"``: ``zero_jax.scan_layers``
+      gathers layer i+1's parameters while layer i runs, forward and
+      backward, each layer's parameters as one all-gather and its
+      gradients as one reduction, issued while the next layer is
+      differentiated. Exact (the same sums); costs about two layers'
+      16-bit parameters and one layer's 16-bit gradients of extra peak.
 
   Raises:
     ValueError: on construction, when a field has the wrong type (ints must
@@ -211,6 +217,7 @@ class ZeroConfig:
   max_consecutive_skips: int = 10
   quantized_weights: bool = False
   quantized_gradients: bool = False
+  prefetch: bool = False
 
   def __post_init__(self):
     self._check_fields()
@@ -353,6 +360,9 @@ class ZeroConfig:
     self._check("quantized_gradients", check_bool,
                 "True (stages 1-3) sums the gradients from int8 blocks "
                 "(ZeRO++'s qgZ).")
+    self._check("prefetch", check_bool,
+                "True (stage 3, remat='full') gathers each scanned layer "
+                "one layer ahead.")
 
   def _check_combinations(self) -> None:
     """Checks the fields against each other (each is valid on its own)."""
@@ -372,6 +382,18 @@ class ZeroConfig:
           f"ZeroConfig.quantized_weights needs stage=3 (got stage="
           f"{self.stage}): only stage 3 all-gathers the parameters in the "
           "step; use stage=3, or quantized_weights=False.")
+    if self.prefetch and (self.stage != 3 or
+                          check_remat(self.remat, self.remat_names)
+                          is not RematPolicy.FULL or self.offload_params or
+                          self.partition_activations):
+      raise ValueError(
+          f"ZeroConfig.prefetch gathers scanned layers one layer ahead at "
+          f"stage 3 with remat='full' (got stage={self.stage}, remat="
+          f"{check_remat(self.remat, self.remat_names).value!r}, "
+          f"offload_params={self.offload_params!r}, "
+          f"partition_activations={self.partition_activations}): use "
+          "stage=3, remat='full', no offload_params or partition_activations;"
+          " or prefetch=False.")
     if self.quantized_gradients and self.stage == 0:
       raise ValueError(
           "ZeroConfig.quantized_gradients needs stage >= 1: stage 0 "

@@ -27,8 +27,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import materialize
+from zero_jax.layers._prefetch import prefetched_scan
 from zero_jax.layers._remat import remat_policy
-from zero_jax.layout import MODEL, LeafPlan, auto_model_size
+from zero_jax.layout import MODEL, LeafPlan, Materialize, auto_model_size
 
 # The ``checkpoint_name`` of each layer's input (the scan's carry): what
 # ``remat="full"`` saves for backward. ``remat="offload_to_host"`` with this
@@ -68,6 +69,22 @@ def partition_activations(carry: Any) -> Any:
         x, P(None, MODEL, *([None] * (x.ndim - 2))))
 
   return jax.tree.map(split, carry)
+
+
+def _check_prefetch(policy: Any, makers: list[Any]) -> None:
+  """``ZeroConfig.prefetch`` is honoured or refused, never dropped."""
+  if policy is not jax.checkpoint_policies.nothing_saveable:
+    raise ValueError(
+        "ZeroConfig.prefetch recomputes each layer from its input "
+        "(remat='full'), but this scan_layers call asks for another remat "
+        "policy: drop its remat argument, or use prefetch=False.")
+  for how in makers:
+    if how is not None and how[0].kind is not Materialize.GATHER:
+      raise ValueError(
+          "ZeroConfig.prefetch gathers layers from their float32 shards "
+          f"(stage 3), but this engine's layers come {how[0].kind.value!r} "
+          "(a compute copy or host memory): use prefetch=False with that "
+          "placement.")
 
 
 def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
@@ -141,6 +158,9 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
     # the copy saved for backward is the split one.)
     return (partition_activations(carry) if partitioned else carry), y
 
+  if context.prefetch and any(how is not None for how in makers):
+    _check_prefetch(policy, makers)
+    return prefetched_scan(f, init, scanned, makers, treedef)
   if policy is not None:
     body = jax.checkpoint(body, policy=policy)
   if partitioned:

@@ -9,13 +9,15 @@ the layer helpers which arrays it handed to ``loss_fn``.
 
 from zero_jax.materialize._collectives import (cast, dequantize_blocks,
                                                gather_from, gather_leaf,
+                                               gather_leaves,
                                                gather_replicated, psum_leaf,
                                                quantize_blocks, reduce_leaf,
                                                reduce_tree,
                                                use_with_scattered_grad, zeros)
 from zero_jax.materialize._context import (LossContext, current,
                                            handing_over)
-from zero_jax.materialize._materializer import HandedParam, Materializer
+from zero_jax.materialize._materializer import (HandedParam, Materializer,
+                                                materialize_together)
 
 __all__ = [
     "HandedParam",
@@ -26,8 +28,10 @@ __all__ = [
     "dequantize_blocks",
     "gather_from",
     "gather_leaf",
+    "gather_leaves",
     "gather_replicated",
     "handing_over",
+    "materialize_together",
     "psum_leaf",
     "quantize_blocks",
     "reduce_leaf",

@@ -24,7 +24,7 @@ gradients are summed in. ``None`` keeps the array's own dtype.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -184,18 +184,25 @@ def _gather_data(lp: LeafPlan, x: jax.Array, dtype=None,
 
 def _reduce_scatter(g: jax.Array, dim: int, reduce_dtype,
                     quantize: Quantize | None) -> jax.Array:
-  """Sums ``g`` over ``data`` into this device's block of ``dim``.
+  """Sums ``g`` over ``data`` into this device's block of ``dim``
+  (``_reduce_blocks`` of its blocks)."""
+  return _reduce_blocks(_blocks_major(g, dim), reduce_dtype, quantize)
 
-  A reduce-scatter in ``reduce_dtype``, unless that would widen ``g``
+
+def _reduce_blocks(blocks: jax.Array, reduce_dtype,
+                   quantize: Quantize | None) -> jax.Array:
+  """Sums ``blocks`` (one block per ``data`` device along the leading
+  dimension) over ``data``: this device's block, summed.
+
+  A reduce-scatter in ``reduce_dtype``, unless that would widen the blocks
   (16-bit gradients, float32 sums: the default) or ``quantize.gradients``
   asks for int8: then an all-to-all hands each device every device's block
-  of its own shard, in ``g``'s dtype or as int8 blocks, which it widens
-  and sums locally. Widened, that is as exact as a float32 reduce-scatter
-  (the same values summed in float32) for the bytes of a 16-bit one, and
-  no whole gradient is held in float32: the widening fuses into the sum of
-  the received blocks, a shard's worth.
+  of its own shard, in the gradient's dtype or as int8 blocks, which it
+  widens and sums locally. Widened, that is as exact as a float32
+  reduce-scatter (the same values summed in float32) for the bytes of a
+  16-bit one, and no whole gradient is held in float32: the widening fuses
+  into the sum of the received blocks, a shard's worth.
   """
-  blocks = _blocks_major(g, dim)
   to_all = lambda x: jax.lax.all_to_all(x, DATA, 0, 0, tiled=True)
   if quantize is not None and quantize.gradients:
     q, scale = quantize_blocks(blocks, quantize.block)
@@ -203,7 +210,7 @@ def _reduce_scatter(g: jax.Array, dim: int, reduce_dtype,
     return jnp.sum(dequantize_blocks(to_all(q), to_all(scale), jnp.float32),
                    axis=0)
   if (reduce_dtype is not None and
-      jnp.dtype(reduce_dtype).itemsize > g.dtype.itemsize):
+      jnp.dtype(reduce_dtype).itemsize > blocks.dtype.itemsize):
     return jnp.sum(to_all(blocks).astype(reduce_dtype), axis=0)
   return jax.lax.psum_scatter(cast(blocks, reduce_dtype), DATA,
                               scatter_dimension=0)
@@ -264,6 +271,75 @@ def _gather_mixed_bwd(lp, compute_dtype, reduce_dtype, quantize, res, g):
 
 
 _gather_mixed.defvjp(_gather_mixed_fwd, _gather_mixed_bwd)
+
+
+def _sum_across_replicas(g: jax.Array, like: jax.Array) -> jax.Array:
+  """``g`` (summed over ``data``) summed across replica groups too, where
+  the shard ``like`` stands for does not vary across them already, in its
+  dtype (see ``_scatter_grad``)."""
+  axes = tuple(a for a in replica_axes() if a not in varying_axes(like))
+  return (jax.lax.psum(g, axes) if axes else g).astype(like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gather_group(lps: tuple[LeafPlan, ...], compute_dtype, reduce_dtype,
+                  *xs: jax.Array) -> list[jax.Array]:
+  xs = [cast(_to_replica_varying(x), compute_dtype) for x in xs]
+  stacked = jax.lax.all_gather(
+      jnp.concatenate([x.reshape(-1) for x in xs]), DATA, axis=0)
+  out, start = [], 0
+  for lp, x in zip(lps, xs):
+    part = stacked[:, start:start + x.size].reshape((-1,) + x.shape)
+    start += x.size
+    part = jnp.moveaxis(part, 0, lp.dim)
+    out.append(part.reshape(x.shape[:lp.dim] + (-1,) +
+                            x.shape[lp.dim + 1:]))
+  return out
+
+
+def _gather_group_fwd(lps, compute_dtype, reduce_dtype, *xs):
+  return (_gather_group(lps, compute_dtype, reduce_dtype, *xs),
+          tuple(_like_of(x) for x in xs))
+
+
+def _gather_group_bwd(lps, compute_dtype, reduce_dtype, likes, gs):
+  n = jax.lax.axis_size(DATA)
+  blocks = [_blocks_major(g, lp.dim).reshape(n, -1)
+            for lp, g in zip(lps, gs)]
+  summed = _reduce_blocks(jnp.concatenate(blocks, axis=1), reduce_dtype,
+                          None)
+  out, start = [], 0
+  for b, g, like in zip(blocks, gs, likes):
+    shard = summed[start:start + b.shape[1]]
+    start += b.shape[1]
+    shape = list(g.shape)
+    shape[lps[len(out)].dim] //= n
+    out.append(_sum_across_replicas(shard.reshape(shape), like))
+  return tuple(out)
+
+
+_gather_group.defvjp(_gather_group_fwd, _gather_group_bwd)
+
+
+def gather_leaves(lps: Sequence[LeafPlan], xs: Sequence[jax.Array],
+                  compute_dtype=None, reduce_dtype=None) -> list[jax.Array]:
+  """``gather_leaf`` of each of ``xs``, in one all-gather.
+
+  The shards, cast to ``compute_dtype``, cross as one buffer, and under
+  autodiff their gradients come back through one reduction
+  (``_reduce_blocks`` of every leaf's blocks side by side): a layer's
+  parameters as one collective each way, where XLA would combine their
+  gathers only in part and their all-to-alls not at all. Each leaf must be
+  split over ``data`` alone (``lp.sharded``, not ``lp.model_split``); no
+  quantization.
+  """
+  if not xs:
+    return []
+  for lp in lps:
+    if not lp.sharded or lp.model_split:
+      raise ValueError(f"gather_leaves: {lp} is not split over data alone")
+  return list(_gather_group(tuple(lps), compute_dtype or xs[0].dtype,
+                            reduce_dtype, *xs))
 
 
 def gather_leaf(lp: LeafPlan, x: jax.Array, compute_dtype=None,

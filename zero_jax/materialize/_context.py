@@ -39,6 +39,7 @@ class LossContext:
       (``zero_jax.layers.find_units``).
     layer_classes: ``ZeroConfig.layer_classes``.
     partition_activations: ``ZeroConfig.partition_activations``.
+    prefetch: ``ZeroConfig.prefetch``.
     seen: filled while tracing: the units run, ``{name: calls}``.
   """
 
@@ -49,6 +50,7 @@ class LossContext:
   units: tuple[Any, ...] = ()
   layer_classes: tuple[str, ...] | None = None
   partition_activations: bool = False
+  prefetch: bool = False
   seen: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -56,11 +58,12 @@ class LossContext:
          remat_names: tuple[str, ...] = (), *, full: Any = (),
          units: tuple[Any, ...] = (),
          layer_classes: tuple[str, ...] | None = None,
-         partition_activations: bool = False) -> "LossContext":
+         partition_activations: bool = False,
+         prefetch: bool = False) -> "LossContext":
     """The context for these handed-over parameters."""
     return cls({id(p.array): p for p in params}, remat, tuple(remat_names),
                tuple(jax.tree.leaves(full)), tuple(units), layer_classes,
-               partition_activations)
+               partition_activations, prefetch)
 
   def unit_of(self, leaves: list[Any]) -> Any:
     """The unit whose parameters are exactly ``leaves`` (the arrays handed

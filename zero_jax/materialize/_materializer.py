@@ -15,7 +15,7 @@ over was made, for the ``LossContext`` (``_context.py``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 
@@ -64,6 +64,39 @@ class Materializer:
     return collectives.use_with_scattered_grad(plan, shard, source,
                                                self.reduce_dtype,
                                                self.quantize)
+
+
+def materialize_together(
+    hows: Sequence[tuple[Materializer, LeafPlan]],
+    args: Sequence[tuple[jax.Array, jax.Array | None]]) -> list[jax.Array]:
+  """``materializer(plan, shard, source)`` of each item, the leaves that a
+  materializer gathers from their own shards (``GATHER``, unquantized,
+  split over ``data`` alone) in one collective per materializer
+  (``gather_leaves``): one layer's parameters as one all-gather, and their
+  gradients as one reduction.
+
+  Args:
+    hows: per leaf, its ``Materializer`` and (slice) plan.
+    args: per leaf, ``(shard, source)``.
+
+  Returns:
+    Each leaf's full value, in the order given.
+  """
+  out: list[jax.Array | None] = [None] * len(hows)
+  groups: dict[Materializer, list[int]] = {}
+  for i, ((mat, lp), (shard, source)) in enumerate(zip(hows, args)):
+    if (mat.kind is Materialize.GATHER and mat.quantize == Quantize() and
+        lp.sharded and not lp.model_split):
+      groups.setdefault(mat, []).append(i)
+    else:
+      out[i] = mat(lp, shard, source)
+  for mat, idx in groups.items():
+    full = collectives.gather_leaves(
+        [hows[i][1] for i in idx], [args[i][0] for i in idx],
+        mat.compute_dtype, mat.reduce_dtype)
+    for i, x in zip(idx, full):
+      out[i] = x
+  return out
 
 
 # (eq=False: the fields hold traced arrays, which must never be compared.)

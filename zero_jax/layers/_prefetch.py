@@ -1,0 +1,141 @@
+"""A layer scan whose next layer's gather runs during this layer's compute.
+
+``jax.lax.scan`` with ZeRO-3 gathers inside the body issues layer i's
+all-gather at the top of iteration i, where the first matmul waits for it:
+nothing overlaps it but the previous layer's tail. Carrying layer i+1's
+gathered parameters in the scan's carry would let the gather run during
+layer i, but autodiff then saves the carry of every iteration for backward:
+the whole gathered model.
+
+``prefetched_scan`` therefore has its own backward (a ``jax.custom_vjp``):
+forward gathers layer i+1 while layer i runs and saves only each layer's
+input (``remat="full"``); backward walks the layers in reverse, gathers
+layer i-1 while layer i is recomputed and differentiated, and hands layer
+i's weight gradients to the gather's transpose (the reduce-scatter or
+all-to-all of ``zero_jax.materialize``) as they are made. Two layers'
+gathered parameters are live at a time, not one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from zero_jax import materialize
+
+
+def _index(tree: Any, i: jax.Array) -> Any:
+  return jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
+                    scanned: Sequence[Any], makers: Sequence[Any],
+                    treedef: Any) -> tuple[Any, Any]:
+  """``scan_layers``'s loop (``remat="full"``) with each layer's gather
+  issued one layer ahead, forward and backward.
+
+  Args:
+    f: the layer, ``f(carry, layer) -> (carry, y)``.
+    init: the initial carry.
+    scanned: per leaf of ``xs`` (flattened by ``treedef``): the stacked
+      array, or for a ZeRO parameter ``(shard, source)`` (stacked).
+    makers: per leaf: None, or ``(materializer, slice_plan)``.
+    treedef: the structure of ``xs``.
+
+  Returns:
+    ``(carry, ys)`` as from ``jax.lax.scan``.
+  """
+  # Per leaf: a ZeRO parameter, another float array (differentiated), or
+  # anything else (integers, keys: passed through, no gradient).
+  kinds = ["param" if m is not None else
+           "float" if jnp.issubdtype(jnp.result_type(s), jnp.inexact) else
+           "fixed" for s, m in zip(scanned, makers)]
+  params, floats, fixed = ([s for s, k in zip(scanned, kinds) if k == kind]
+                           for kind in ("param", "float", "fixed"))
+  hows = [m for m in makers if m is not None]
+  n = jax.tree.leaves(scanned)[0].shape[0]
+
+  def gather(ps, i):
+    return materialize.materialize_together(hows, _index(ps, i))
+
+  def layer(gathered, floats, fixed):
+    parts = {"param": iter(gathered), "float": iter(floats),
+             "fixed": iter(fixed)}
+    return treedef.unflatten([next(parts[k]) for k in kinds])
+
+  # Closed-over arrays (f may read a table or a weight shared by the layers)
+  # become explicit inputs, so that their gradients are returned.
+  example = jax.eval_shape(
+      lambda ps, fl, fx: layer(gather(ps, 0), _index(fl, 0), _index(fx, 0)),
+      params, floats, fixed)
+  f_conv, consts = jax.closure_convert(lambda h, x: f(h, x), init, example)
+  steps = jnp.arange(n)
+
+  def apply(h, gathered, floats, consts, fixed):
+    return f_conv(h, layer(gathered, floats, fixed), *consts)
+
+  def forward(init, params, floats, consts, fixed):
+    def body(carry, xs):
+      h, current = carry
+      i, fl, fx = xs
+      ahead = gather(params, jnp.minimum(i + 1, n - 1))
+      h_out, y = apply(h, current, fl, consts, fx)
+      return (h_out, ahead), (y, h)
+
+    (h, _), (ys, inputs) = jax.lax.scan(body, (init, gather(params, 0)),
+                                        (steps, floats, fixed))
+    return (h, ys), inputs
+
+  @jax.custom_vjp
+  def run(init, params, floats, consts, fixed):
+    return forward(init, params, floats, consts, fixed)[0]
+
+  def run_fwd(init, params, floats, consts, fixed):
+    out, inputs = forward(init, params, floats, consts, fixed)
+    return out, (inputs, params, floats, consts, fixed)
+
+  def run_bwd(res, cotangent):
+    inputs, params, floats, consts, fixed = res
+    d_out, d_ys = cotangent
+
+    def reduce(d_gathered, j):
+      # Layer j's weight gradients to its shards: the gather's transpose
+      # (its primal result unused: XLA drops it).
+      _, to_shards = jax.vjp(
+          lambda ps: materialize.materialize_together(hows, ps),
+          _index(params, j))
+      return to_shards(d_gathered)[0]
+
+    def store(acc, d_params, j):
+      return jax.tree.map(
+          lambda a, d: jax.lax.dynamic_update_index_in_dim(a, d, j, 0),
+          acc, d_params)
+
+    def body(carry, xs):
+      d_h, current, pending, acc = carry
+      i, h_in, fl, fx, d_y = xs
+      behind = gather(params, jnp.maximum(i - 1, 0))
+      # Layer i+1's gradients, made in the last iteration, are reduced
+      # while layer i is differentiated. (In the first iteration, i = L-1,
+      # pending is zeros, stored where layer L-1's gradients go next.)
+      after = jnp.minimum(i + 1, n - 1)
+      acc = store(acc, reduce(pending, after), after)
+      _, pull = jax.vjp(lambda h, g, fl, c: apply(h, g, fl, c, fx),
+                        h_in, current, fl, consts)
+      d_in, d_gathered, d_fl, d_consts = pull((d_h, d_y))
+      return (d_in, behind, d_gathered, acc), (d_fl, d_consts)
+
+    current = gather(params, n - 1)
+    acc = jax.tree.map(jnp.zeros_like, params)
+    (d_init, _, pending, acc), (d_floats, d_consts) = jax.lax.scan(
+        body, (d_out, current, jax.tree.map(jnp.zeros_like, current), acc),
+        (steps, inputs, floats, fixed, d_ys), reverse=True)
+    d_params = store(acc, reduce(pending, 0), 0)
+    d_consts = jax.tree.map(lambda d: jnp.sum(d, axis=0), d_consts)
+    return d_init, d_params, d_floats, d_consts, [None] * len(fixed)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(init, params, floats, list(consts), fixed)
