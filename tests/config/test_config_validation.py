@@ -52,6 +52,7 @@ _BAD = {
     "max_consecutive_skips": [0, -1, 10.0, "10", True, 2 ** 31],
     "quantized_weights": [1, 0, "yes", None],
     "quantized_gradients": [1, 0, "yes", None],
+    "prefetch": [1, 0, "yes", None],
 }
 # Fields that only make sense next to others: without these the error would
 # be about the combination, not about the value under test.
@@ -145,8 +146,8 @@ def test_new_fields():
   assert cfg.skip_nonfinite is True and cfg.max_consecutive_skips == 10
   names = [f.name for f in dataclasses.fields(zj.ZeroConfig)]
   assert names.index("skip_nonfinite") == names.index("delay_update") + 1
-  assert names[-3:] == ["max_consecutive_skips", "quantized_weights",
-                        "quantized_gradients"]
+  assert names[-4:] == ["max_consecutive_skips", "quantized_weights",
+                        "quantized_gradients", "prefetch"]
   cfg = zj.ZeroConfig(skip_nonfinite=False, max_consecutive_skips=1)
   assert (cfg.skip_nonfinite, cfg.max_consecutive_skips) == (False, 1)
   with pytest.raises(ValueError, match="max_consecutive_skips.*>= 1|"
