@@ -182,17 +182,10 @@ def _gather_data(lp: LeafPlan, x: jax.Array, dtype=None,
                  out_spec=_whole_model_spec(lp) if lp.both else None)
 
 
-def _reduce_scatter(g: jax.Array, dim: int, reduce_dtype,
-                    quantize: Quantize | None) -> jax.Array:
-  """Sums ``g`` over ``data`` into this device's block of ``dim``
-  (``_reduce_blocks`` of its blocks)."""
-  return _reduce_blocks(_blocks_major(g, dim), reduce_dtype, quantize)
-
-
 def _reduce_blocks(blocks: jax.Array, reduce_dtype,
                    quantize: Quantize | None) -> jax.Array:
   """Sums ``blocks`` (one block per ``data`` device along the leading
-  dimension) over ``data``: this device's block, summed.
+  dimension, ``_blocks_major``) over ``data``: this device's block.
 
   A reduce-scatter in ``reduce_dtype``, unless that would widen the blocks
   (16-bit gradients, float32 sums: the default) or ``quantize.gradients``
@@ -219,11 +212,12 @@ def _reduce_blocks(blocks: jax.Array, reduce_dtype,
 def _scatter_data(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
                   quantize: Quantize | None = None) -> jax.Array:
   """Reduce-scatter of a whole gradient over ``data`` into the leaf's
-  shard (``_reduce_scatter``; then summed across replica groups by the
-  caller)."""
+  shard (``_reduce_blocks`` of its blocks; then summed across replica
+  groups by the caller)."""
+  reduce = lambda g: _reduce_blocks(_blocks_major(g, lp.dim), reduce_dtype,
+                                    quantize)
   if not lp.both:
-    return _region(lp, lambda g: _reduce_scatter(g, lp.dim, reduce_dtype,
-                                                 quantize), g)
+    return _region(lp, reduce, g)
 
   def own(g):
     # g is the whole dimension, the same on every model rank: keep this
@@ -234,8 +228,7 @@ def _scatter_data(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
     g = g.reshape(shape[:lp.dim] + (n, m, k) + shape[lp.dim + 1:])
     g = jax.lax.dynamic_index_in_dim(g, jax.lax.axis_index(MODEL),
                                      lp.dim + 1, keepdims=False)
-    g = g.reshape(shape[:lp.dim] + (n * k,) + shape[lp.dim + 1:])
-    return _reduce_scatter(g, lp.dim, reduce_dtype, quantize)
+    return reduce(g.reshape(shape[:lp.dim] + (n * k,) + shape[lp.dim + 1:]))
 
   return _region(lp, own, g, in_spec=_whole_model_spec(lp))
 
@@ -273,14 +266,6 @@ def _gather_mixed_bwd(lp, compute_dtype, reduce_dtype, quantize, res, g):
 _gather_mixed.defvjp(_gather_mixed_fwd, _gather_mixed_bwd)
 
 
-def _sum_across_replicas(g: jax.Array, like: jax.Array) -> jax.Array:
-  """``g`` (summed over ``data``) summed across replica groups too, where
-  the shard ``like`` stands for does not vary across them already, in its
-  dtype (see ``_scatter_grad``)."""
-  axes = tuple(a for a in replica_axes() if a not in varying_axes(like))
-  return (jax.lax.psum(g, axes) if axes else g).astype(like.dtype)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _gather_group(lps: tuple[LeafPlan, ...], compute_dtype, reduce_dtype,
                   *xs: jax.Array) -> list[jax.Array]:
@@ -314,7 +299,11 @@ def _gather_group_bwd(lps, compute_dtype, reduce_dtype, likes, gs):
     start += b.shape[1]
     shape = list(g.shape)
     shape[lps[len(out)].dim] //= n
-    out.append(_sum_across_replicas(shard.reshape(shape), like))
+    # Summed across replica groups too, as ``_scatter_grad`` does.
+    axes = tuple(a for a in replica_axes() if a not in varying_axes(like))
+    shard = shard.reshape(shape)
+    out.append((jax.lax.psum(shard, axes) if axes else shard)
+               .astype(like.dtype))
   return tuple(out)
 
 
@@ -351,7 +340,7 @@ def gather_leaf(lp: LeafPlan, x: jax.Array, compute_dtype=None,
   bytes of fp32; int8 blocks with ``quantize.weights``); a replicated one
   is only marked device-varying and cast. Under autodiff the gradient comes
   back reduced in the leaf's own layout and dtype: reduce-scattered (summed
-  in ``reduce_dtype``; see ``_reduce_scatter``) for a sharded leaf,
+  in ``reduce_dtype``; see ``_reduce_blocks``) for a sharded leaf,
   all-reduced for a replicated one.
   """
   if not lp.sharded:
@@ -372,7 +361,7 @@ def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
                 out_dtype=None, quantize: Quantize = Quantize()
                 ) -> jax.Array:
   """Sums a local full gradient over devices into the leaf's layout:
-  reduce-scatter along the split dimension (``_reduce_scatter``), or
+  reduce-scatter along the split dimension (``_reduce_blocks``), or
   all-reduce if replicated."""
   out_dtype = out_dtype or g.dtype
   if lp.sharded:
