@@ -108,8 +108,13 @@ def _major_gather(x: jax.Array, dim: int) -> jax.Array:
   """
   if dim == 0:
     return jax.lax.all_gather(x, DATA, axis=0, tiled=True)
-  y = jnp.moveaxis(jax.lax.all_gather(x, DATA, axis=0), 0, dim)
-  return y.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 1:])
+  return _unstack(jax.lax.all_gather(x, DATA, axis=0), dim)
+
+
+def _unstack(stacked: jax.Array, dim: int) -> jax.Array:
+  """Shards stacked along a new leading dimension, joined along ``dim``."""
+  y = jnp.moveaxis(stacked, 0, dim)
+  return y.reshape(y.shape[:dim] + (-1,) + y.shape[dim + 2:])
 
 
 def _blocks_major(g: jax.Array, dim: int) -> jax.Array:
@@ -239,7 +244,12 @@ def _scatter_grad(lp: LeafPlan, g: jax.Array, reduce_dtype,
   in the dtype of ``like`` (``_like_of`` the shard). Where the shard itself
   varies across groups (a block's barrier made it so: zero_jax.layers.layer), the
   sum across groups is left to that variation's transpose."""
-  g = _scatter_data(lp, g, reduce_dtype, quantize)
+  return _across_groups(lp, _scatter_data(lp, g, reduce_dtype, quantize),
+                        like)
+
+
+def _across_groups(lp: LeafPlan, g: jax.Array, like: jax.Array) -> jax.Array:
+  """``g`` summed across the replica groups ``like`` does not vary over."""
   axes = tuple(a for a in replica_axes() if a not in varying_axes(like))
   if axes:
     g = _region(lp, lambda g: jax.lax.psum(g, axes), g, summed=axes)
@@ -274,11 +284,9 @@ def _gather_group(lps: tuple[LeafPlan, ...], compute_dtype, reduce_dtype,
       jnp.concatenate([x.reshape(-1) for x in xs]), DATA, axis=0)
   out, start = [], 0
   for lp, x in zip(lps, xs):
-    part = stacked[:, start:start + x.size].reshape((-1,) + x.shape)
+    out.append(_unstack(stacked[:, start:start + x.size]
+                        .reshape((-1,) + x.shape), lp.dim))
     start += x.size
-    part = jnp.moveaxis(part, 0, lp.dim)
-    out.append(part.reshape(x.shape[:lp.dim] + (-1,) +
-                            x.shape[lp.dim + 1:]))
   return out
 
 
@@ -291,19 +299,13 @@ def _gather_group_bwd(lps, compute_dtype, reduce_dtype, likes, gs):
   n = jax.lax.axis_size(DATA)
   blocks = [_blocks_major(g, lp.dim).reshape(n, -1)
             for lp, g in zip(lps, gs)]
-  summed = _reduce_blocks(jnp.concatenate(blocks, axis=1), reduce_dtype,
-                          None)
+  summed = _reduce_blocks(jnp.concatenate(blocks, 1), reduce_dtype, None)
   out, start = [], 0
-  for b, g, like in zip(blocks, gs, likes):
-    shard = summed[start:start + b.shape[1]]
+  for lp, b, g, like in zip(lps, blocks, gs, likes):
+    shape = g.shape[:lp.dim] + (g.shape[lp.dim] // n,) + g.shape[lp.dim + 1:]
+    out.append(_across_groups(
+        lp, summed[start:start + b.shape[1]].reshape(shape), like))
     start += b.shape[1]
-    shape = list(g.shape)
-    shape[lps[len(out)].dim] //= n
-    # Summed across replica groups too, as ``_scatter_grad`` does.
-    axes = tuple(a for a in replica_axes() if a not in varying_axes(like))
-    shard = shard.reshape(shape)
-    out.append((jax.lax.psum(shard, axes) if axes else shard)
-               .astype(like.dtype))
   return tuple(out)
 
 
@@ -314,13 +316,11 @@ def gather_leaves(lps: Sequence[LeafPlan], xs: Sequence[jax.Array],
                   compute_dtype=None, reduce_dtype=None) -> list[jax.Array]:
   """``gather_leaf`` of each of ``xs``, in one all-gather.
 
-  The shards, cast to ``compute_dtype``, cross as one buffer, and under
-  autodiff their gradients come back through one reduction
-  (``_reduce_blocks`` of every leaf's blocks side by side): a layer's
-  parameters as one collective each way, where XLA would combine their
-  gathers only in part and their all-to-alls not at all. Each leaf must be
-  split over ``data`` alone (``lp.sharded``, not ``lp.model_split``); no
-  quantization.
+  The shards, cast to ``compute_dtype``, cross as one buffer; under
+  autodiff their gradients come back through one reduction of every leaf's
+  blocks side by side: a layer as one collective each way, where XLA
+  combines the gathers only in part and the all-to-alls not at all. Each
+  leaf must be split over ``data`` alone (not ``lp.model_split``).
   """
   if not xs:
     return []
