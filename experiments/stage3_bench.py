@@ -73,7 +73,10 @@ CONFIGS = {
     "qwZ + qgZ": {"quantized_weights": True, "quantized_gradients": True},
     # Each scanned layer gathered one layer ahead, as one collective.
     "prefetch": {"prefetch": True},
+    # ZeRO++'s hpZ over nodes of GPUS_PER_NODE (N > GPUS_PER_NODE only).
+    "hpz": {"hpz_partition_size": 8},
 }
+GPUS_PER_NODE = 8
 GSPMD = "gspmd"
 LABELS = {GSPMD: "GSPMD FSDP"}
 # The collectives the two overlap columns count.
@@ -130,9 +133,13 @@ def measure(spec: dict) -> dict:
                                           remat="full", **shape)
     state_bytes = analysis.per_device_bytes(state)
   else:
+    overrides = CONFIGS[spec["run"]]
+    k = overrides.get("hpz_partition_size", 1)
     engine, c = analysis.compile_gpt(spec["target"], spec["n"], 3,
-                                     remat="full",
-                                     overrides=CONFIGS[spec["run"]], **shape)
+                                     remat="full", overrides=overrides,
+                                     # hpZ: one group per node.
+                                     replica=spec["n"] // k if k > 1 else 1,
+                                     **shape)
     _, params = analysis.gpt_shapes(
         **{k: shape[k] for k in ("layers", "hidden", "heads", "vocab",
                                  "seq_len")})
@@ -151,6 +158,7 @@ def measure(spec: dict) -> dict:
       "peak_bytes": mem.peak, "temp_bytes": mem.temp,
       "argument_bytes": mem.argument, "output_bytes": mem.output,
       "alias_bytes": mem.alias, "state_bytes": state_bytes,
+      "cross_node_bytes": cross_node_bytes(analysis, c.hlo),
       "collectives": [{"kind": k, "dtype": dt, **d} for (k, dt), d in
                       sorted(c.collectives.items())],
       # Per kind, a combined collective of several dtypes once.
@@ -166,6 +174,24 @@ def measure(spec: dict) -> dict:
           resource.RUSAGE_SELF).ru_maxrss * 1024,
       "jax": jax.__version__,
   }
+
+
+def cross_node_bytes(analysis, hlo: str) -> int:
+  """Bytes each device sends per step in collectives whose replica groups
+  span nodes of ``GPUS_PER_NODE`` consecutive devices (groups the parser
+  cannot read count as spanning). Per collective, from its result's bytes
+  B in groups of g (ring algorithms): all-gather and all-to-all send
+  B (g-1)/g, reduce-scatter B (g-1), all-reduce 2 B (g-1)/g."""
+  total = 0.0
+  for c in analysis.collectives(hlo):
+    if c.groups is not None and all(
+        len({d // GPUS_PER_NODE for d in g}) == 1 for g in c.groups):
+      continue
+    g = len(c.groups[0]) if c.groups else 2
+    share = {"reduce-scatter": g - 1, "all-reduce": 2 * (g - 1) / g}.get(
+        c.kind, (g - 1) / g)
+    total += c.bytes * c.executions * share
+  return int(total)
 
 
 # ------------------------------------------------------------------ parent
@@ -214,6 +240,9 @@ def plan(args: argparse.Namespace) -> list[dict]:
              **sizes[size]}
     for n in ns:
       for run in runs:
+        if (run != GSPMD and n <= GPUS_PER_NODE and
+            CONFIGS[run].get("hpz_partition_size", 1) > 1):
+          continue  # (one node: nothing for hpZ to keep inside)
         out.append(dict(size=size, n=n, run=run, target=args.target,
                         hlo_dir=args.hlo_dir, **shape))
   return out
@@ -251,7 +280,8 @@ def others(r: dict) -> str:
 
 
 MEMORY_COLUMNS = ("size", "N", "run", "peak GiB", "peak / GSPMD",
-                  "temp GiB", "state GiB", "AG overlapping a gemm",
+                  "temp GiB", "state GiB", "across nodes GiB",
+                  "AG overlapping a gemm",
                   "gradient sums overlapping a gemm",
                   "other async overlapping",
                   "compile s", "host RSS GiB")
@@ -270,7 +300,9 @@ def memory_rows(rows: list[dict]) -> list[list[str]]:
     peer = peers.get((r["size"], r["n"]))
     vs = f"{r['peak_bytes'] / peer['peak_bytes']:.3f}" if peer else "-"
     out.append(head + [gib(r["peak_bytes"]), vs, gib(r["temp_bytes"]),
-                       gib(r["state_bytes"]), ratio(r, GATHER),
+                       gib(r["state_bytes"]),
+                       (gib(r["cross_node_bytes"]) if "cross_node_bytes" in r
+                        else "-"), ratio(r, GATHER),
                        ratio(r, *reductions(r)), others(r),
                        f"{r['compile_s']:.0f}",
                        gib(r["host_rss_bytes"])])
@@ -343,7 +375,12 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
       "(`zero_jax.analysis.overlap`). AG = all-gather; gradient sums: "
       "reduce-scatters, and zero_jax's all-to-alls (16-bit gradients "
       "summed in fp32 on the shard, qgZ's int8 blocks); in parentheses "
-      "the overlapped ones' share of the bytes.", "",
+      "the overlapped ones' share of the bytes. Across nodes: the bytes "
+      "each device sends per step in collectives whose groups span nodes "
+      f"of {GPUS_PER_NODE} GPUs (ring estimates from each result's bytes B"
+      " in groups of g: all-gather and all-to-all B(g-1)/g, reduce-scatter"
+      " B(g-1), all-reduce 2B(g-1)/g). hpz: `make_mesh(replica=N // 8)` with "
+      "`hpz_partition_size=8` (N > 8 only).", "",
       "## Memory and overlap", "",
       markdown_table(MEMORY_COLUMNS, memory_rows(rows)), "",
       "## Collectives per device and step", "",

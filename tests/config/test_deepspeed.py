@@ -162,8 +162,9 @@ _UNSUPPORTED = [
      "data_types.grad_accum_dtype", "float32"),
     ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor",
      "pre-division"),
-    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}},
-     "zero_optimization.zero_hpz_partition_size", "ZeRO++"),
+    ({"zero_optimization": {"stage": 3,
+                            "zero_quantized_nontrainable_weights": True}},
+     "zero_optimization.zero_quantized_nontrainable_weights", "ZeRO++"),
     ({"no_such_key": 1}, "no_such_key", "spelling"),
     ({"zero_optimization": {"stage": 2, "overlap_com": True}},
      "zero_optimization.overlap_com", "spelling"),
@@ -193,12 +194,12 @@ def test_unsupported_key_warns_and_is_dropped(config, key, why):
 
 def test_every_unsupported_key_is_listed_once():
   config = {"optimizer": {}, "scheduler": {}, "wandb": {"enabled": True},
-            "zero_optimization": {"stage": 3,
-                                  "zero_hpz_partition_size": 8}}
+            "zero_optimization": {
+                "stage": 3, "zero_quantized_nontrainable_weights": True}}
   with pytest.raises(ValueError, match="4 keys") as info:
     zj.from_deepspeed(config)
   for key in ("optimizer", "scheduler", "wandb",
-              "zero_optimization.zero_hpz_partition_size"):
+              "zero_optimization.zero_quantized_nontrainable_weights"):
     assert f"  {key}: " in str(info.value)
   with pytest.warns(UserWarning) as record:
     cfg = zj.from_deepspeed(config, unsupported="warn")

@@ -49,3 +49,22 @@ def test_quick_run_writes_the_side_by_side_report(tmp_path):
   assert rows["default"]["psi"] == rows["gspmd"]["psi"]
   assert "| tiny | 8 | GSPMD FSDP |" in md
   assert "| tiny | 8 | zero_jax stage 3 (default) |" in md
+
+
+@compiles_for_gpus
+def test_hpz_runs_on_two_nodes_and_reports_the_bytes_across_them(tmp_path):
+  env = dict(os.environ, PYTHONPATH=_ROOT)
+  out = subprocess.run([sys.executable, _SCRIPT, "--quick", "--devices",
+                        "8,16", "--configs", "default,hpz", "--out-dir",
+                        str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stdout + out.stderr
+  rows = {(r["n"], r["run"]): r for r in json.loads(
+      (tmp_path / "stage3_h100.json").read_text())["rows"]}
+  # (On one node of 8 there is nothing for hpZ to keep inside it.)
+  assert set(rows) == {(8, "default"), (16, "default"), (16, "hpz")}
+  assert rows[8, "default"]["cross_node_bytes"] == 0
+  hpz, flat = rows[16, "hpz"]["cross_node_bytes"], rows[16, "default"][
+      "cross_node_bytes"]
+  assert 0 < hpz * 4 < flat, (hpz, flat)
+  assert rows[16, "hpz"]["state_bytes"] == rows[16, "default"]["state_bytes"]

@@ -11,6 +11,7 @@ import numpy as np
 
 from zero_jax._checks import (check_bool, check_choice, check_float,
                               check_int, fail)
+from zero_jax.config._combinations import check_combinations
 from zero_jax.config._remat import REMAT_POLICIES, RematPolicy, check_remat
 
 # The ZeRO stages: 0 (plain data parallelism) to 3.
@@ -184,6 +185,17 @@ class ZeroConfig:
       collectives in flight
       (``--xla_gpu_experimental_parallel_collective_overlap_limit=2``);
       see docs/usage.md.
+    hpz_partition_size: ZeRO++'s hpZ (DeepSpeed's
+      ``zero_hpz_partition_size``), stage 3 only; 1 (default) is off. K >
+      1: the devices of a mesh ``make_mesh(replica=R)`` whose ``data``
+      axis is K (one group of K devices per node). The fp32 master,
+      optimizer state and gradients stay sharded over all ``R * K``
+      devices, and each layer is gathered across the groups once in
+      forward, into a 16-bit secondary copy sharded over its group (1/K
+      of the parameters per device, kept for backward); backward's
+      gathers read that copy and never leave the group. Exact (the same
+      float32 sums: over the group, then across groups). Not with
+      offload, prefetch or a ``model`` axis.
 
   Raises:
     ValueError: on construction, when a field has the wrong type (ints must
@@ -221,10 +233,11 @@ class ZeroConfig:
   quantized_weights: bool = False
   quantized_gradients: bool = False
   prefetch: bool = False
+  hpz_partition_size: int = 1
 
   def __post_init__(self):
     self._check_fields()
-    self._check_combinations()
+    check_combinations(self)
 
   def _set(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)  # the dataclass is frozen
@@ -366,51 +379,10 @@ class ZeroConfig:
     self._check("prefetch", check_bool,
                 "True (stage 3, remat='full') gathers each scanned layer "
                 "one layer ahead.")
-
-  def _check_combinations(self) -> None:
-    """Checks the fields against each other (each is valid on its own)."""
-    if self.loss_scale > 0 and self.compute_dtype != "float16":
-      raise ValueError(
-          "ZeroConfig.loss_scale only applies to compute_dtype='float16' "
-          f"(got compute_dtype={self.compute_dtype!r}); bfloat16 and float32 "
-          "have float32's range and need no loss scaling.")
-    if self.offload_params and self.stage != 3:
-      raise ValueError(
-          f"ZeroConfig.offload_params needs stage=3 (got stage={self.stage}):"
-          " only stage 3 shards the parameters it would stream per layer; "
-          "at stages 1-2 use offload_optimizer='host' with a compute_dtype "
-          "to offload the fp32 master.")
-    if self.quantized_weights and self.stage != 3:
-      raise ValueError(
-          f"ZeroConfig.quantized_weights needs stage=3 (got stage="
-          f"{self.stage}): only stage 3 all-gathers the parameters in the "
-          "step; use stage=3, or quantized_weights=False.")
-    if self.prefetch and (self.stage != 3 or
-                          check_remat(self.remat, self.remat_names)
-                          is not RematPolicy.FULL or self.offload_params or
-                          self.partition_activations):
-      raise ValueError(
-          f"ZeroConfig.prefetch gathers scanned layers one layer ahead at "
-          f"stage 3 with remat='full' (got stage={self.stage}, remat="
-          f"{check_remat(self.remat, self.remat_names).value!r}, "
-          f"offload_params={self.offload_params!r}, "
-          f"partition_activations={self.partition_activations}): use "
-          "stage=3, remat='full', no offload_params or partition_activations;"
-          " or prefetch=False.")
-    if self.quantized_gradients and self.stage == 0:
-      raise ValueError(
-          "ZeroConfig.quantized_gradients needs stage >= 1: stage 0 "
-          "all-reduces whole gradients, which qgZ does not quantize; use "
-          "stage 1-3, or quantized_gradients=False.")
-    if self.delay_update and self.update_on != "host":
-      raise ValueError("ZeroConfig.delay_update overlaps the host's update "
-                       "with the next step: set update_on='host' (and "
-                       "offload_optimizer='host') too")
-    if self.update_on == "host" and not (self.offload_optimizer
-                                         or self.offload_params):
-      raise ValueError("ZeroConfig.update_on='host' runs the update where "
-                       "offloaded state lives: set offload_optimizer='host' "
-                       "or offload_params='host' too")
+    self._check("hpz_partition_size", check_int, 1, _INT32_MAX,
+                fix="it is the devices per hpZ group (one node), the "
+                "'data' axis of make_mesh(replica=devices // size); 1 "
+                "turns hpZ off.")
 
   @property
   def dynamic_loss_scale(self) -> bool:

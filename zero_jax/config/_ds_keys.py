@@ -263,8 +263,9 @@ QUIET: frozenset[str] = frozenset(
 
 _NOT_IMPLEMENTED = "a DeepSpeed feature that zero_jax does not implement"
 _ZERO_PP = ("this part of ZeRO++ is not implemented in zero_jax (its "
-            "quantized weights and gradients are: zero_quantized_weights, "
-            "zero_quantized_gradients)")
+            "quantized weights and gradients and hpZ are: "
+            "zero_quantized_weights, zero_quantized_gradients, "
+            "zero_hpz_partition_size)")
 _MONITOR = ("zero_jax does not write {what} logs: log the metrics that "
             "Engine.step returns with zero_jax.metrics.JsonlLogger (e.g. "
             "log.log(step, **metrics)), then set {key}.enabled to false")
@@ -355,7 +356,6 @@ UNSUPPORTED_WHY: Mapping[str, str] = {
         "stage3_param_persistence_threshold (min_shard_elements) alone "
         "decides; Engine.describe() lists every replicated leaf"),
     "zero_optimization.zero_quantized_nontrainable_weights": _ZERO_PP,
-    "zero_optimization.zero_hpz_partition_size": _ZERO_PP,
     "zero_optimization.zeropp_loco_param": _ZERO_PP,
     "zero_optimization.mics_shard_size": (
         "MiCS is not implemented as such: make_mesh(replica=R) shards the "
@@ -376,7 +376,6 @@ DEFAULT_ONLY: Mapping[str, Any] = {
     "bf16.bf16_master_weights_and_grads": False,
     "bf16.bf16_optimizer_states": False,
     "zero_optimization.zero_quantized_nontrainable_weights": False,
-    "zero_optimization.zero_hpz_partition_size": 1,
     "zero_optimization.mics_shard_size": -1,
     "zero_optimization.mics_hierarchical_params_gather": False,
     "zero_optimization.ignore_unused_parameters": True,

@@ -126,6 +126,10 @@ MAPPING: tuple[DeepSpeedKey, ...] = (
                  "quantized_gradients", as_bool,
                  "ZeRO++'s qgZ: int8 gradient all-to-alls, summed in "
                  "float32; stages 1-3"),
+    DeepSpeedKey("zero_optimization.zero_hpz_partition_size",
+                 "hpz_partition_size", as_count,
+                 "ZeRO++'s hpZ, stage 3: devices per group (a node); the "
+                 "mesh must be make_mesh(replica=devices // it)"),
     DeepSpeedKey("zero_optimization.offload_optimizer.device",
                  "offload_optimizer", None, _DEVICE),
     DeepSpeedKey("zero_optimization.offload_param.device", "offload_params",

@@ -97,13 +97,16 @@ def run_as_unit(f: Callable[..., Any], params: Any, args: tuple[Any, ...],
   context = materialize.current()
   if _INSIDE.get() or context is None or not context.params:
     return f(params, *args, **kwargs)
-  policy = remat_policy(
-      context.remat if remat is None else remat,
-      context.remat_names if remat_names is None else tuple(remat_names))
   leaves, treedef = jax.tree.flatten(params)
   handed = [context.lookup(x) for x in leaves]
   if not any(handed):
     return f(params, *args, **kwargs)
+  # (hpZ: backward gathers from the kept secondary copy.)
+  policy = remat_policy(
+      context.remat if remat is None else remat,
+      context.remat_names if remat_names is None else tuple(remat_names),
+      keep=((materialize.SECONDARY,) if any(
+          h is not None and h.plan.hierarchical for h in handed) else ()))
   context.seen[name] = context.seen.get(name, 0) + 1
   # Each sharded leaf enters as (shard, source) and is made whole inside;
   # others enter as they are. Non-array arguments are static.

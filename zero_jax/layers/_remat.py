@@ -18,13 +18,16 @@ def _attention_saveable(prim: Any, *_, **__) -> bool:
   return prim.name == _FUSED_ATTENTION_FORWARD
 
 
-def remat_policy(name: str | RematPolicy, names: tuple[str, ...] = ()) -> Any:
+def remat_policy(name: str | RematPolicy, names: tuple[str, ...] = (),
+                 keep: tuple[str, ...] = ()) -> Any:
   """The ``jax.checkpoint`` policy for a remat policy name.
 
   Args:
     name: a ``RematPolicy`` (or its name).
     names: for ``"save_only_named"`` and ``"offload_to_host"``: the
       ``checkpoint_name`` tags the policy saves or offloads.
+    keep: ``checkpoint_name`` tags saved on the device whatever the policy
+      (hpZ's secondary copy, ``zero_jax.materialize.SECONDARY``).
 
   Returns:
     A policy for ``jax.checkpoint`` (None for ``"none"``: no checkpoint).
@@ -32,7 +35,22 @@ def remat_policy(name: str | RematPolicy, names: tuple[str, ...] = ()) -> Any:
   Raises:
     ValueError: unknown name, or a named policy without names.
   """
-  policy = check_remat(name, tuple(names))
+  policy = _policy(check_remat(name, tuple(names)), tuple(names))
+  if policy is None or not keep:
+    return policy
+
+  def keeping(prim, *args, **params):
+    # (``checkpoint_name``'s primitive is called "name", as
+    # ``jax.checkpoint_policies.save_only_these_names`` reads it; the
+    # policies' own combiner refuses the offloading policy's answers.)
+    if prim.name == "name" and params.get("name") in keep:
+      return True
+    return policy(prim, *args, **params)
+
+  return keeping
+
+
+def _policy(policy: RematPolicy, names: tuple[str, ...]) -> Any:
   cp = jax.checkpoint_policies
   if policy is RematPolicy.AUTO:  # (not chosen yet: outside an engine)
     policy = RematPolicy.FULL

@@ -140,6 +140,9 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
         "ZeroConfig.compute_dtype for low-precision compute).",
         stacklevel=2)
 
+  if any(how is not None and how[1].hierarchical for how in makers):
+    # hpZ: backward gathers each layer from its kept secondary copy.
+    policy = remat_policy(policy_name, names, keep=(materialize.SECONDARY,))
   partitioned = context.partition_activations and auto_model_size() > 1
 
   def body(carry, sliced):

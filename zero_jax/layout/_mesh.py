@@ -3,9 +3,11 @@ around a ``model`` axis.
 
 ZeRO shards state over ``data``. With ``replica=R`` the devices form R groups
 (e.g. one per node) and state is sharded inside each group and replicated
-across groups, like PyTorch FSDP's hybrid sharding or DeepSpeed's MiCS/hpZ:
+across groups, like PyTorch FSDP's hybrid sharding or DeepSpeed's MiCS:
 parameter gathers stay on fast intra-group links, and only the (already
-reduce-scattered) gradient shards are all-reduced across groups.
+reduce-scattered) gradient shards are all-reduced across groups. With hpZ
+(``ZeroConfig.hpz_partition_size``) state is sharded over both axes
+instead, and only backward's gathers stay inside a group.
 
 With ``model=M`` each data-parallel rank is a group of M devices that split
 the model itself (tensor parallelism, the paper's MP): the user's model says

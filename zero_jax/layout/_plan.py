@@ -25,7 +25,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax._paths import path_str
-from zero_jax.layout._mesh import DATA, MODEL, layout_mesh
+from zero_jax.layout._mesh import DATA, MODEL, REPLICA, layout_mesh
+
+# hpZ (``ZeroConfig.hpz_partition_size``): the primary shards over the
+# ``replica`` axis inside ``data`` (``data`` major), so gathering over
+# ``replica`` alone gives device ``j`` of a group the ``j``-th contiguous
+# block: the group's secondary partition, whose gather stays inside the
+# group (a node).
+HIERARCHICAL = (DATA, REPLICA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +45,15 @@ class LeafPlan:
     reason: why the leaf is replicated ("" when sharded).
     model: per dimension, whether the model splits it over ``model``
       (empty: over no dimension).
+    axes: the mesh axes ``dim`` is split over: ``("data",)``, or
+      ``HIERARCHICAL`` with hpZ (every batch device holds its own shard).
   """
 
   shape: tuple[int, ...]
   dim: int | None
   reason: str = ""
   model: tuple[bool, ...] = ()
+  axes: tuple[str, ...] = (DATA,)
 
   @property
   def sharded(self) -> bool:
@@ -63,12 +73,19 @@ class LeafPlan:
         self.model[self.dim]
 
   @property
+  def hierarchical(self) -> bool:
+    """Split over ``replica`` inside ``data`` (hpZ): gathered over
+    ``replica``, then over ``data``."""
+    return self.dim is not None and len(self.axes) > 1
+
+  @property
   def spec(self) -> P:
     """The leaf's spec over the batch axes: what ``shard_map`` (manual over
     ``data``, automatic over ``model``) takes."""
     if self.dim is None:
       return P()
-    return P(*([None] * self.dim + [DATA]))
+    return P(*([None] * self.dim +
+               [self.axes if self.hierarchical else DATA]))
 
   @property
   def model_spec(self) -> P:
@@ -93,7 +110,7 @@ class LeafPlan:
     """The plan of one slice along the leading (layer) axis, which is
     split over neither axis."""
     return LeafPlan(self.shape[1:], self.dim - 1, self.reason,
-                    self.model[1:])
+                    self.model[1:], self.axes)
 
   def local_shape(self, n: int) -> tuple[int, ...]:
     """The shape each of ``n`` devices holds."""
@@ -186,7 +203,8 @@ class Plan:
   """
 
   def __init__(self, tree: Any, mesh: Mesh, stage: int,
-               min_shard_elements: int, model_specs: Any = None):
+               min_shard_elements: int, model_specs: Any = None,
+               hierarchical: bool = False):
     """Plans ``tree``.
 
     Args:
@@ -197,9 +215,12 @@ class Plan:
       model_specs: for each leaf of ``tree`` in order, one entry per
         dimension: None or the mesh axes it is split over (as
         ``model_specs`` returns); None: no leaf split over ``model``.
+      hierarchical: hpZ: split over ``replica`` inside ``data``
+        (``HIERARCHICAL``), every batch device holding a shard of its own.
     """
     self.mesh = mesh
-    self.n = mesh.shape[DATA]
+    axes = HIERARCHICAL if hierarchical else (DATA,)
+    self.n = int(np.prod([mesh.shape[a] for a in axes]))
     m = dict(mesh.shape).get(MODEL, 1)
     leaves, treedef = jax.tree.flatten(tree)
     if model_specs is None:
@@ -209,9 +230,10 @@ class Plan:
       entries = tuple(entries or ())
       on = lambda axis: tuple(e is not None and axis in e for e in entries)
       data = [d for d, yes in enumerate(on(DATA)) if yes]
-      return plan_leaf(np.shape(x), self.n, stage, min_shard_elements,
-                       on(MODEL) if m > 1 else (), m,
-                       data[0] if data else None)
+      lp = plan_leaf(np.shape(x), self.n, stage, min_shard_elements,
+                     on(MODEL) if m > 1 else (), m,
+                     data[0] if data else None)
+      return dataclasses.replace(lp, axes=axes) if lp.sharded else lp
 
     self.leaves = treedef.unflatten(
         [plan(x, e) for x, e in zip(leaves, model_specs)])

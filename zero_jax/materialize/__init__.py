@@ -2,8 +2,9 @@
 gradient a shard again.
 
 The per-leaf collectives over ``data`` (all-gather, reduce-scatter, and the
-custom-VJP pairs of the two; ZeRO++'s int8 blocks for them), the ``Materializer`` that chooses among them
-for a placement, and the ``LossContext`` through which the train step tells
+custom-VJP pairs of the two; ZeRO++'s int8 blocks for them; hpZ's
+two-level gather), the ``Materializer`` that chooses among them for a
+placement, and the ``LossContext`` through which the train step tells
 the layer helpers which arrays it handed to ``loss_fn``.
 """
 
@@ -14,12 +15,15 @@ from zero_jax.materialize._collectives import (cast, dequantize_blocks,
                                                quantize_blocks, reduce_leaf,
                                                reduce_tree,
                                                use_with_scattered_grad, zeros)
+from zero_jax.materialize._hierarchical import (SECONDARY,
+                                                gather_hierarchical)
 from zero_jax.materialize._context import (LossContext, current,
                                            handing_over)
 from zero_jax.materialize._materializer import (HandedParam, Materializer,
                                                 materialize_together)
 
 __all__ = [
+    "SECONDARY",
     "HandedParam",
     "LossContext",
     "Materializer",
@@ -27,6 +31,7 @@ __all__ = [
     "current",
     "dequantize_blocks",
     "gather_from",
+    "gather_hierarchical",
     "gather_leaf",
     "gather_leaves",
     "gather_replicated",

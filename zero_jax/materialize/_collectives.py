@@ -55,7 +55,7 @@ def _to_replica_varying(x: jax.Array) -> jax.Array:
   return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
-def _like_of(x: jax.Array) -> jax.Array:
+def like_of(x: jax.Array) -> jax.Array:
   """A zero-size residual with ``x``'s dtype and varying axes (never its
   data, nor its memory space)."""
   z = jnp.zeros((0,), x.dtype)
@@ -94,8 +94,8 @@ def _whole_model_spec(lp: LeafPlan) -> P:
              for d, e in enumerate(lp.model_spec)])
 
 
-def _major_gather(x: jax.Array, dim: int) -> jax.Array:
-  """All-gather over ``data`` along ``dim``, the shards stacked along a new
+def major_gather(x: jax.Array, dim: int, axis: str = DATA) -> jax.Array:
+  """All-gather over ``axis`` along ``dim``, the shards stacked along a new
   leading dimension first.
 
   GPU all-gathers concatenate along the most major dimension. Asked for
@@ -107,8 +107,8 @@ def _major_gather(x: jax.Array, dim: int) -> jax.Array:
   one at a time.
   """
   if dim == 0:
-    return jax.lax.all_gather(x, DATA, axis=0, tiled=True)
-  return _unstack(jax.lax.all_gather(x, DATA, axis=0), dim)
+    return jax.lax.all_gather(x, axis, axis=0, tiled=True)
+  return _unstack(jax.lax.all_gather(x, axis, axis=0), dim)
 
 
 def _unstack(stacked: jax.Array, dim: int) -> jax.Array:
@@ -117,10 +117,10 @@ def _unstack(stacked: jax.Array, dim: int) -> jax.Array:
   return y.reshape(y.shape[:dim] + (-1,) + y.shape[dim + 2:])
 
 
-def _blocks_major(g: jax.Array, dim: int) -> jax.Array:
-  """``g`` with ``dim`` cut into one block per ``data`` device, the blocks
-  stacked along a new leading dimension (see ``_major_gather``)."""
-  n = jax.lax.axis_size(DATA)
+def blocks_major(g: jax.Array, dim: int, axis: str = DATA) -> jax.Array:
+  """``g`` with ``dim`` cut into one block per ``axis`` device, the blocks
+  stacked along a new leading dimension (see ``major_gather``)."""
+  n = jax.lax.axis_size(axis)
   shape = g.shape
   g = g.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1:])
   return jnp.moveaxis(g, dim, 0)
@@ -167,7 +167,7 @@ def _gather_data(lp: LeafPlan, x: jax.Array, dtype=None,
 
   def whole(x):
     if not lp.both:
-      return _major_gather(x, lp.dim)
+      return major_gather(x, lp.dim)
     # Data major: block (d, m) of the dimension is on device (d, m), so
     # gathering over ``model`` first gives data block d, then over
     # ``data`` the whole dimension.
@@ -187,10 +187,10 @@ def _gather_data(lp: LeafPlan, x: jax.Array, dtype=None,
                  out_spec=_whole_model_spec(lp) if lp.both else None)
 
 
-def _reduce_blocks(blocks: jax.Array, reduce_dtype,
-                   quantize: Quantize | None) -> jax.Array:
-  """Sums ``blocks`` (one block per ``data`` device along the leading
-  dimension, ``_blocks_major``) over ``data``: this device's block.
+def reduce_blocks(blocks: jax.Array, reduce_dtype,
+                  quantize: Quantize | None, axis: str = DATA) -> jax.Array:
+  """Sums ``blocks`` (one block per ``axis`` device along the leading
+  dimension, ``blocks_major``) over ``axis``: this device's block.
 
   A reduce-scatter in ``reduce_dtype``, unless that would widen the blocks
   (16-bit gradients, float32 sums: the default) or ``quantize.gradients``
@@ -201,7 +201,7 @@ def _reduce_blocks(blocks: jax.Array, reduce_dtype,
   16-bit one, and no whole gradient is held in float32: the widening fuses
   into the sum of the received blocks, a shard's worth.
   """
-  to_all = lambda x: jax.lax.all_to_all(x, DATA, 0, 0, tiled=True)
+  to_all = lambda x: jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
   if quantize is not None and quantize.gradients:
     q, scale = quantize_blocks(blocks, quantize.block)
     # Block j of every device goes to device j, stacked by its sender.
@@ -210,16 +210,16 @@ def _reduce_blocks(blocks: jax.Array, reduce_dtype,
   if (reduce_dtype is not None and
       jnp.dtype(reduce_dtype).itemsize > blocks.dtype.itemsize):
     return jnp.sum(to_all(blocks).astype(reduce_dtype), axis=0)
-  return jax.lax.psum_scatter(cast(blocks, reduce_dtype), DATA,
+  return jax.lax.psum_scatter(cast(blocks, reduce_dtype), axis,
                               scatter_dimension=0)
 
 
 def _scatter_data(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
                   quantize: Quantize | None = None) -> jax.Array:
   """Reduce-scatter of a whole gradient over ``data`` into the leaf's
-  shard (``_reduce_blocks`` of its blocks; then summed across replica
+  shard (``reduce_blocks`` of its blocks; then summed across replica
   groups by the caller)."""
-  reduce = lambda g: _reduce_blocks(_blocks_major(g, lp.dim), reduce_dtype,
+  reduce = lambda g: reduce_blocks(blocks_major(g, lp.dim), reduce_dtype,
                                     quantize)
   if not lp.both:
     return _region(lp, reduce, g)
@@ -241,7 +241,7 @@ def _scatter_data(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
 def _scatter_grad(lp: LeafPlan, g: jax.Array, reduce_dtype,
                   like: jax.Array, quantize: Quantize | None = None):
   """Reduce-scatter over ``data``, then all-reduce across replica groups,
-  in the dtype of ``like`` (``_like_of`` the shard). Where the shard itself
+  in the dtype of ``like`` (``like_of`` the shard). Where the shard itself
   varies across groups (a block's barrier made it so: zero_jax.layers.layer), the
   sum across groups is left to that variation's transpose."""
   return _across_groups(lp, _scatter_data(lp, g, reduce_dtype, quantize),
@@ -266,7 +266,7 @@ def _gather_mixed_fwd(lp, compute_dtype, reduce_dtype, quantize, x):
   # Only the dtype of x is needed in backward; a zero-size residual keeps it
   # without saving the shard.
   return (_gather_mixed(lp, compute_dtype, reduce_dtype, quantize, x),
-          _like_of(x))
+          like_of(x))
 
 
 def _gather_mixed_bwd(lp, compute_dtype, reduce_dtype, quantize, res, g):
@@ -292,14 +292,14 @@ def _gather_group(lps: tuple[LeafPlan, ...], compute_dtype, reduce_dtype,
 
 def _gather_group_fwd(lps, compute_dtype, reduce_dtype, *xs):
   return (_gather_group(lps, compute_dtype, reduce_dtype, *xs),
-          tuple(_like_of(x) for x in xs))
+          tuple(like_of(x) for x in xs))
 
 
 def _gather_group_bwd(lps, compute_dtype, reduce_dtype, likes, gs):
   n = jax.lax.axis_size(DATA)
-  blocks = [_blocks_major(g, lp.dim).reshape(n, -1)
+  blocks = [blocks_major(g, lp.dim).reshape(n, -1)
             for lp, g in zip(lps, gs)]
-  summed = _reduce_blocks(jnp.concatenate(blocks, 1), reduce_dtype, None)
+  summed = reduce_blocks(jnp.concatenate(blocks, 1), reduce_dtype, None)
   out, start = [], 0
   for lp, b, g, like in zip(lps, blocks, gs, likes):
     shape = g.shape[:lp.dim] + (g.shape[lp.dim] // n,) + g.shape[lp.dim + 1:]
@@ -340,7 +340,7 @@ def gather_leaf(lp: LeafPlan, x: jax.Array, compute_dtype=None,
   bytes of fp32; int8 blocks with ``quantize.weights``); a replicated one
   is only marked device-varying and cast. Under autodiff the gradient comes
   back reduced in the leaf's own layout and dtype: reduce-scattered (summed
-  in ``reduce_dtype``; see ``_reduce_blocks``) for a sharded leaf,
+  in ``reduce_dtype``; see ``reduce_blocks``) for a sharded leaf,
   all-reduced for a replicated one.
   """
   if not lp.sharded:
@@ -361,7 +361,7 @@ def reduce_leaf(lp: LeafPlan, g: jax.Array, reduce_dtype=None,
                 out_dtype=None, quantize: Quantize = Quantize()
                 ) -> jax.Array:
   """Sums a local full gradient over devices into the leaf's layout:
-  reduce-scatter along the split dimension (``_reduce_blocks``), or
+  reduce-scatter along the split dimension (``reduce_blocks``), or
   all-reduce if replicated."""
   out_dtype = out_dtype or g.dtype
   if lp.sharded:
@@ -404,7 +404,7 @@ def _scatter_on_backward(lp: LeafPlan, reduce_dtype, quantize: Quantize,
 
 def _scatter_fwd(lp, reduce_dtype, quantize, shard, full):
   del lp, reduce_dtype, quantize
-  return full, _like_of(shard)
+  return full, like_of(shard)
 
 
 def _scatter_bwd(lp, reduce_dtype, quantize, res, g):
@@ -443,7 +443,7 @@ def _gather_from_fwd(lp, compute_dtype, reduce_dtype, quantize, to_device,
                      grad_to_host, stand_in, source):
   out = _gather_from(lp, compute_dtype, reduce_dtype, quantize, to_device,
                      grad_to_host, stand_in, source)
-  return out, _like_of(stand_in)
+  return out, like_of(stand_in)
 
 
 def _gather_from_bwd(lp, compute_dtype, reduce_dtype, quantize, to_device,

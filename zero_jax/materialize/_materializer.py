@@ -21,6 +21,7 @@ import jax
 
 from zero_jax.layout import LeafPlan, Materialize, Quantize
 from zero_jax.materialize import _collectives as collectives
+from zero_jax.materialize._hierarchical import gather_hierarchical
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,14 @@ class Materializer:
                source: jax.Array | None) -> jax.Array:
     """The full value of a sharded leaf (or of one layer slice of it, with
     that slice's plan), for use inside ``shard_map``."""
+    if plan.hierarchical:
+      if self.kind is not Materialize.GATHER:
+        raise ValueError(
+            f"hpZ gathers from the fp32 master shards (Materialize.GATHER),"
+            f" not {self.kind}: keep the master on the device, or "
+            "hpz_partition_size=1.")
+      return gather_hierarchical(plan, shard, self.compute_dtype,
+                                 self.reduce_dtype, self.quantize)
     if self.kind is Materialize.GATHER:
       return collectives.gather_leaf(plan, shard, self.compute_dtype,
                                      self.reduce_dtype, self.quantize)
@@ -86,7 +95,7 @@ def materialize_together(
   groups: dict[Materializer, list[int]] = {}
   for i, ((mat, lp), (shard, source)) in enumerate(zip(hows, args)):
     if (mat.kind is Materialize.GATHER and mat.quantize == Quantize() and
-        lp.sharded and not lp.model_split):
+        lp.sharded and not lp.model_split and not lp.hierarchical):
       groups.setdefault(mat, []).append(i)
     else:
       out[i] = mat(lp, shard, source)

@@ -102,8 +102,12 @@ class Engine:
 
   @property
   def n(self) -> int:
-    """Devices on ``data``: what state is sharded over."""
-    return self.mesh.shape[DATA]
+    """Devices state is sharded over: those on ``data``, times the
+    ``replica`` groups with hpZ (``ZeroConfig.hpz_partition_size``)."""
+    n = self.mesh.shape[DATA]
+    if self.config.hpz_partition_size > 1:
+      n *= dict(self.mesh.shape).get(REPLICA, 1)
+    return n
 
   @property
   def train_batch_size(self) -> int | None:
@@ -308,7 +312,11 @@ class Engine:
     n = self.n
     where_ = f"{n} device(s) on '{DATA}'"
     replica = dict(self.mesh.shape).get(REPLICA, 1)
-    if replica > 1:
+    if cfg.hpz_partition_size > 1:
+      where_ = (f"{n} devices on ('{DATA}', '{REPLICA}') (hpZ: backward "
+                f"gathers a secondary copy over the {self.mesh.shape[DATA]} "
+                f"devices of '{DATA}')")
+    elif replica > 1:
       where_ += f", replicated over {replica} '{REPLICA}' groups"
     m = dict(self.mesh.shape).get(MODEL, 1)
     if m > 1:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import layers, materialize
-from zero_jax.layout import (DATA, ComputeCopy, LeafPlan, Materialize,
+from zero_jax.layout import (ComputeCopy, LeafPlan, Materialize,
                              Placement, flat, map_leaves)
 from zero_jax.train import _checks
 
@@ -129,7 +129,7 @@ class _Sharded:
                             pl.host_grad_dtype or jnp.float32)
       if to_host:
         z = jax.device_put(z, jax.memory.Space.Host)
-      return jax.lax.pcast(z, DATA, to="varying")
+      return jax.lax.pcast(z, lp.axes, to="varying")
 
     whole = params if params is not None else source
     shards = pl.materialize is Materialize.GATHER
@@ -159,7 +159,7 @@ class _Sharded:
 
   def zeros(self, lp: LeafPlan, w: jax.Array) -> jax.Array:
     z = materialize.zeros(lp, w.shape, jnp.float32)
-    return (jax.lax.pcast(z, DATA, to="varying") if lp.sharded else
+    return (jax.lax.pcast(z, lp.axes, to="varying") if lp.sharded else
             _varying(z, self.axes))
 
   def finish(self, g: Any) -> Any:

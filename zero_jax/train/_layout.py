@@ -150,6 +150,26 @@ def check_mesh(mesh: Mesh) -> None:
         f"tensor-parallel axis to {MODEL!r}.")
 
 
+def check_hpz(config: ZeroConfig, mesh: Mesh) -> bool:
+  """Whether the config asks for hpZ; raises unless the mesh has its
+  groups: a ``replica`` axis, each group the config's partition size on
+  ``data``, and no ``model`` axis."""
+  k = config.hpz_partition_size
+  if k == 1:
+    return False
+  shape = dict(mesh.shape)
+  total = int(np.prod(list(shape.values())))
+  if shape.get(REPLICA, 1) == 1 or shape[DATA] != k or shape.get(MODEL, 1) > 1:
+    fix = (f"zero_jax.make_mesh(replica={total // k})" if total % k == 0
+           else f"a partition size that divides the {total} devices")
+    raise ValueError(
+        f"ZeroConfig.hpz_partition_size={k} (hpZ) needs a mesh of groups of"
+        f" {k} devices: a {REPLICA!r} axis of groups, {DATA!r} of {k}, and "
+        f"no {MODEL!r} axis (got {shape}). Use {fix}, or "
+        "hpz_partition_size=1.")
+  return True
+
+
 def check_model_split(mesh: Mesh, plan: Plan) -> None:
   """Raises when the mesh has a ``model`` axis but no parameter is split
   over it: every model rank would repeat the same work."""
@@ -235,8 +255,9 @@ class Layout:
 
   @property
   def n(self) -> int:
-    """Devices on ``data``: what state is sharded over."""
-    return self.mesh.shape[DATA]
+    """Devices state is sharded over: ``data`` (and ``replica`` with
+    hpZ)."""
+    return self.param_plan.n
 
   @property
   def signature(self) -> tuple:
@@ -274,6 +295,7 @@ class Layout:
         ``zero_jax.offload.Streamer``).
     """
     check_mesh(mesh)
+    hierarchical = check_hpz(config, mesh)
     batch = batch or BatchLayout.of(config, mesh)
     pl = placement or Placement.of(config, batch.grad_accum_steps)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -288,10 +310,11 @@ class Layout:
 
     def plans(stage: int) -> tuple[Plan, Plan]:
       return (Plan(master, mesh, stage, config.min_shard_elements,
-                   model_specs),
+                   model_specs, hierarchical),
               Plan(opt_shapes, mesh, stage, config.min_shard_elements,
                    None if model_specs is None else
-                   mirrored_specs(master, model_specs, opt_shapes)))
+                   mirrored_specs(master, model_specs, opt_shapes),
+                   hierarchical))
 
     param_plan, opt_plan = plans(pl.stage)
     check_model_split(mesh, param_plan)
@@ -339,7 +362,7 @@ class Layout:
         state_shapes=None, device_params=device_params,
         device_opt=opt_plan.shardings,
         grads=_grads.strategy(pl, param_plan.leaves, batch.axes,
-                              mesh.shape[DATA],
+                              param_plan.n,
                               None if streamer is None else streamer.cuts),
         update=(_offloaded.Streamed(streamer) if streamer is not None else
                 _offloaded.OnHost(host) if host is not None else

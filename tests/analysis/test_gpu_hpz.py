@@ -1,0 +1,122 @@
+"""ZeRO++'s hpZ compiled for 16 H100s, two nodes of 8 (``make_mesh(
+replica=2)``, ``hpz_partition_size=8``): what crosses the nodes.
+
+Each parameter crosses once, in forward, as a 1/8 block into the node's
+secondary copy; backward's gathers read that copy and stay inside the node
+(their replica groups say so); gradients are summed inside the node, then
+only a shard's worth crosses. The state stays sharded over all 16 devices,
+so the step is lighter than replica groups that replicate it (MiCS).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import zero_jax as zj
+from tests._gpu import compiles_for_gpus
+from zero_jax import analysis
+from zero_jax.models import make_loss_fn
+
+pytestmark = compiles_for_gpus
+
+N, K = 16, 8  # devices, devices per node
+_SHAPE = dict(layers=4, hidden=256, heads=4, vocab=256, seq_len=16)
+_BYTES = {"s8": 1, "bf16": 2, "f32": 4}
+
+
+@functools.cache
+def _compiled(replica=2, **fields):
+  mesh = analysis.gpu_mesh("h100", N, replica=replica)
+  graphdef, params = analysis.gpt_shapes(**_SHAPE)
+  engine = zj.Engine(make_loss_fn(graphdef), optax.adamw(1e-4),
+                     zj.ZeroConfig(stage=3, compute_dtype="bfloat16",
+                                   **fields), mesh)
+  batch = {"tokens": jax.ShapeDtypeStruct((2 * N, _SHAPE["seq_len"] + 1),
+                                          jnp.int32)}
+  return engine, analysis.compile_step(engine, params, batch), mesh
+
+
+def _crosses_nodes(c: analysis.Collective) -> bool:
+  assert c.groups is not None, c
+  return any(len({d // K for d in g}) > 1 for g in c.groups)
+
+
+def _per_step(compiled, kind, cross, dtype=None):
+  """Result bytes per step of one kind of collective (of its results in
+  ``dtype`` alone, if given), across nodes or inside them."""
+
+  def size(c):
+    if dtype is None:
+      return c.bytes
+    return sum(math.prod(s) * _BYTES[dt]
+               for s, dt in zip(c.shapes, c.dtypes) if dt == dtype)
+
+  return sum(size(c) * c.executions
+             for c in analysis.collectives(compiled.hlo)
+             if c.kind == kind and _crosses_nodes(c) == cross)
+
+
+def _sharded_elements(engine):
+  return sum(math.prod(lp.shape) for _, lp in engine.param_plan.rows()
+             if lp.sharded)
+
+
+def test_backward_gathers_stay_inside_the_node():
+  engine, c, mesh = _compiled(hpz_partition_size=K)
+  e = _sharded_elements(engine)
+  gathers = [x for x in analysis.collectives(c.hlo) if x.kind == "all-gather"]
+  assert gathers
+  for x in gathers:
+    # Across nodes along 'replica' (device j of every node), or inside one
+    # node along 'data'.
+    assert x.axes(mesh) == (("replica",) if _crosses_nodes(x) else
+                            ("data",)), x
+  # Every sharded parameter crosses once, in bf16, as the 1/8 block each
+  # device keeps: forward's gathers only. (Backward re-gathering across
+  # nodes would double it.)
+  assert _per_step(c, "all-gather", cross=True) == e // K * 2
+  # Inside the node, forward's gathers and backward's: (almost) every
+  # parameter twice.
+  assert _per_step(c, "all-gather", cross=False) >= 1.5 * e * 2
+
+
+def test_gradients_cross_the_nodes_as_shards():
+  engine, c, _ = _compiled(hpz_partition_size=K)
+  e = _sharded_elements(engine)
+  # Summed inside the node (bf16 blocks by an all-to-all, float32 sums),
+  # then across nodes: a float32 reduce-scatter of the node's block.
+  assert _per_step(c, "all-to-all", cross=True) == 0
+  assert _per_step(c, "all-to-all", cross=False) > 0
+  assert _per_step(c, "reduce-scatter", cross=True, dtype="f32") == (
+      e // N * 4)
+  # (Besides the loss and the norm's scalars, nothing else crosses.)
+  assert _per_step(c, "all-reduce", cross=True) < 4096
+
+
+def test_hpz_moves_far_less_across_nodes_than_the_flat_layout():
+  _, hpz, _ = _compiled(hpz_partition_size=K)
+  _, flat, _ = _compiled(replica=1)
+  across = lambda c: sum(_per_step(c, kind, cross=True) for kind in (
+      "all-gather", "all-to-all", "reduce-scatter"))
+  assert across(hpz) * 8 < across(flat), (across(hpz), across(flat))
+
+
+def test_hpz_is_lighter_than_replicated_groups():
+  # MiCS-style groups (replica=2 without hpZ) keep the state sharded over
+  # 8 devices; hpZ over 16, plus a 1/8 bf16 secondary copy.
+  _, hpz, _ = _compiled(hpz_partition_size=K)
+  _, mics, _ = _compiled()
+  assert hpz.memory.peak < mics.memory.peak, (hpz.memory.peak,
+                                              mics.memory.peak)
+
+
+def test_quantized_weights_cross_the_nodes_as_int8_blocks():
+  engine, c, _ = _compiled(hpz_partition_size=K, quantized_weights=True)
+  e = _sharded_elements(engine)
+  across = {dt for x in analysis.collectives(c.hlo)
+            if x.kind == "all-gather" and _crosses_nodes(x) for dt in x.dtypes}
+  assert across == {"s8", "f32"}, across
+  assert _per_step(c, "all-gather", cross=True, dtype="s8") == e // K

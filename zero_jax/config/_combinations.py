@@ -1,0 +1,65 @@
+"""Which ``ZeroConfig`` fields contradict each other (each already valid on
+its own): the checks of its construction that read more than one field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zero_jax.config._remat import RematPolicy, check_remat
+
+
+def check_combinations(config: Any) -> None:
+  """Raises ``ValueError`` naming the fields and the fix where ``config``'s
+  fields contradict each other."""
+  if config.loss_scale > 0 and config.compute_dtype != "float16":
+    raise ValueError(
+        "ZeroConfig.loss_scale only applies to compute_dtype='float16' "
+        f"(got compute_dtype={config.compute_dtype!r}); bfloat16 and float32 "
+        "have float32's range and need no loss scaling.")
+  if config.offload_params and config.stage != 3:
+    raise ValueError(
+        f"ZeroConfig.offload_params needs stage=3 (got stage={config.stage}):"
+        " only stage 3 shards the parameters it would stream per layer; "
+        "at stages 1-2 use offload_optimizer='host' with a compute_dtype "
+        "to offload the fp32 master.")
+  if config.quantized_weights and config.stage != 3:
+    raise ValueError(
+        f"ZeroConfig.quantized_weights needs stage=3 (got stage="
+        f"{config.stage}): only stage 3 all-gathers the parameters in the "
+        "step; use stage=3, or quantized_weights=False.")
+  if config.prefetch and (config.stage != 3 or
+                        check_remat(config.remat, config.remat_names)
+                        is not RematPolicy.FULL or config.offload_params or
+                        config.partition_activations):
+    raise ValueError(
+        f"ZeroConfig.prefetch gathers scanned layers one layer ahead at "
+        f"stage 3 with remat='full' (got stage={config.stage}, remat="
+        f"{check_remat(config.remat, config.remat_names).value!r}, "
+        f"offload_params={config.offload_params!r}, "
+        f"partition_activations={config.partition_activations}): use "
+        "stage=3, remat='full', no offload_params or partition_activations;"
+        " or prefetch=False.")
+  if config.hpz_partition_size > 1 and (
+      config.stage != 3 or config.offload_params or config.offload_optimizer or
+      config.prefetch):
+    raise ValueError(
+        f"ZeroConfig.hpz_partition_size={config.hpz_partition_size} (hpZ) "
+        f"keeps a secondary copy of stage 3's gathered parameters (got "
+        f"stage={config.stage}, offload_params={config.offload_params!r}, "
+        f"offload_optimizer={config.offload_optimizer!r}, prefetch="
+        f"{config.prefetch}): use stage=3 without offload or prefetch, or "
+        "hpz_partition_size=1.")
+  if config.quantized_gradients and config.stage == 0:
+    raise ValueError(
+        "ZeroConfig.quantized_gradients needs stage >= 1: stage 0 "
+        "all-reduces whole gradients, which qgZ does not quantize; use "
+        "stage 1-3, or quantized_gradients=False.")
+  if config.delay_update and config.update_on != "host":
+    raise ValueError("ZeroConfig.delay_update overlaps the host's update "
+                     "with the next step: set update_on='host' (and "
+                     "offload_optimizer='host') too")
+  if config.update_on == "host" and not (config.offload_optimizer
+                                       or config.offload_params):
+    raise ValueError("ZeroConfig.update_on='host' runs the update where "
+                     "offloaded state lives: set offload_optimizer='host' "
+                     "or offload_params='host' too")
