@@ -129,6 +129,22 @@ def test_a_scan_asking_for_another_remat_is_refused():
     engine.step(state, {"x": jnp.ones((8, 64), jnp.float32)})
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_step_is_compiled_with_prefetchs_options(monkeypatch, prefetch):
+  # An option XLA does not know fails the compile that is given it: only
+  # the prefetching step is.
+  monkeypatch.setattr(zj.layers, "PREFETCH_COMPILER_OPTIONS",
+                      {"xla_no_such_option_for_this_test": 1})
+  loss_fn, params, batches = m.MODELS["gpt"](steps=1)
+  engine = _engine(loss_fn, prefetch)
+  state = engine.init(params)
+  if prefetch:
+    with pytest.raises(Exception, match="xla_no_such_option_for_this_test"):
+      engine.step(state, batches[0])
+  else:
+    engine.step(state, batches[0])
+
+
 _TINY = dict(layers=4, hidden=128, heads=4, vocab=64, seq_len=16,
              micro_batch=2, attention="einsum")
 

@@ -178,13 +178,12 @@ class ZeroConfig:
       ``min_shard_elements``) are still all-reduced exactly.
     prefetch: stage 3 with ``remat="full"``: ``zero_jax.scan_layers``
       gathers layer i+1's parameters while layer i runs, forward and
-      backward, each layer's parameters as one all-gather and its
-      gradients as one reduction, issued while the next layer is
-      differentiated. Exact (the same sums). Costs peak memory (1.3B GPT
-      on 8 H100s: 6.11 GiB against 5.66), and its backward wants two
-      collectives in flight
-      (``--xla_gpu_experimental_parallel_collective_overlap_limit=2``);
-      see docs/usage.md.
+      backward (XLA combines a layer's gathers into one collective), and a
+      layer's gradients as one reduction, issued while the next layer is
+      differentiated. Exact (the same sums). The step is compiled with
+      ``zero_jax.layers.PREFETCH_COMPILER_OPTIONS`` (two collectives in
+      flight, a layer's gathers combined). Costs peak memory (1.3B GPT on
+      8 H100s: 6.03 GiB against 5.66); see docs/usage.md.
     hpz_partition_size: ZeRO++'s hpZ (DeepSpeed's
       ``zero_hpz_partition_size``), stage 3 only; 1 (default) is off. K >
       1: the devices of a mesh ``make_mesh(replica=R)`` whose ``data``

@@ -11,17 +11,24 @@ the whole gathered model.
 forward gathers layer i+1 while layer i runs and saves only each layer's
 input (``remat="full"``); backward walks the layers in reverse, gathers
 layer i-1 while layer i is recomputed and differentiated, and hands layer
-i's weight gradients to the gather's transpose (the all-to-all or
-reduce-scatter of ``zero_jax.materialize``) in the next iteration, while
-layer i-1 is differentiated. A layer's parameters cross as one all-gather
-and its gradients as one reduction (``materialize.materialize_together``):
-XLA's scheduler then has one collective per direction to hide behind each
-layer's gemms, not one per leaf.
+i's weight gradients to the gather's transpose in the next iteration, while
+layer i-1 is differentiated: one reduction per layer, every leaf's blocks
+side by side (``materialize.materialize_together``), so that a layer's
+gradient sum is one collective for XLA's scheduler to hide.
 
-The price is memory: the layer ahead, the gradients carried to the next
-iteration and the combined buffers (on 8 H100s, 5.66 -> 6.11 GiB at the
-1.3B GPT), which is why ``ZeroConfig.prefetch`` is opt-in. The first and
-last iterations gather (and reduce) one layer twice rather than branch.
+Parameters are gathered leaf by leaf, each into its own buffer, and the
+step is compiled with ``COMPILER_OPTIONS``: XLA combines a layer's gathers
+into one collective of several buffers, and lets two collectives be in
+flight, so a layer's gather and the previous layer's gradient sum overlap
+the gemms together. (One concatenated gather per layer, the first design,
+moved as well but held each layer twice: the gathered buffer and its
+leaves' copies; compiled for 8 H100s, the 1.3B GPT's peak was 6.11 GiB
+against 6.03 now.)
+
+The price is memory: the layer ahead and the gradients carried to the
+next iteration (1.3B GPT on 8 H100s: 5.66 -> 6.03 GiB), which is why
+``ZeroConfig.prefetch`` is opt-in. The first and last iterations gather
+(and reduce) one layer twice rather than branch.
 """
 
 from __future__ import annotations
@@ -32,6 +39,15 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import materialize
+
+# XLA options the step is compiled with under prefetch (GPU scheduling; no
+# effect elsewhere): two collectives in flight, a layer's gather beside the
+# previous layer's gradient sum, where XLA's default keeps one; and a
+# layer's per-leaf gathers combined into one collective (up to 1 GiB).
+COMPILER_OPTIONS = {
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+    "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
+}
 
 
 def _index(tree: Any, i: jax.Array) -> Any:
@@ -67,7 +83,9 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
   n = jax.tree.leaves(scanned)[0].shape[0]
 
   def gather(ps, i):
-    return materialize.materialize_together(hows, _index(ps, i))
+    # Leaf by leaf, each into its own buffer (XLA combines the collectives;
+    # see COMPILER_OPTIONS).
+    return [how(lp, *args) for (how, lp), args in zip(hows, _index(ps, i))]
 
   def layer(gathered, floats, fixed):
     parts = {"param": iter(gathered), "float": iter(floats),

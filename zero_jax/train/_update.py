@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import materialize
+from zero_jax import layers, materialize
 from zero_jax.layout import (DATA, MODEL, ComputeCopy, UpdateKind, flat,
                              plan_leaf)
 from zero_jax.train import _init, _loss_scale
@@ -265,7 +265,9 @@ class OnDevice:
     # reads, not a metric.)
     r = layout.replicated
     return jax.jit(fn, donate_argnums=0,
-                   out_shardings=(layout.state_shardings, r, r))
+                   out_shardings=(layout.state_shardings, r, r),
+                   compiler_options=(layers.PREFETCH_COMPILER_OPTIONS
+                                     if layout.config.prefetch else None))
 
   def finish(self, layout, state, grads, metrics):
     prepared = prepare(layout, grads, state.step, state.loss_scale,
