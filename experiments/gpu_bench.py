@@ -62,6 +62,9 @@ MODES = {
     # name: ZeroConfig overrides (None: plain jax.jit + optax)
     ZERO: {},
     BASELINE: None,
+    # Each scanned layer gathered one layer ahead (on one GPU: the
+    # prefetched scan's own cost, nothing to gather); remat full only.
+    "zero_jax stage 3 + prefetch": {"prefetch": True, "remat": "full"},
     # The update streamed through the device a slice at a time.
     "zero_jax stage 3 + offload": {"offload_optimizer": "host"},
     "zero_jax stage 3 + offload + offload_params": {
@@ -83,6 +86,8 @@ TORCH_MODES = {
 }
 ALL_MODES = list(MODES) + list(TORCH_MODES)
 SPEED_MODES = [ZERO, BASELINE, *TORCH_MODES]
+# Speed modes run only when --modes names them.
+OPT_IN_SPEED_MODES = ["zero_jax stage 3 + prefetch"]
 _OFFLOADS = [m for m in MODES if m.startswith(ZERO + " + offload")]
 _LADDER_MODES = (ZERO, "zero_jax stage 3 + offload",
                  "zero_jax stage 3 + offload + offload_params")
@@ -187,8 +192,9 @@ def run_one(run: Run) -> dict:
     compiled = train_step.lower(state, batch).compile()
   else:
     engine = zj.Engine(loss_fn, tx,
-                       zj.ZeroConfig(stage=3, compute_dtype="bfloat16",
-                                     remat=run.remat, **overrides),
+                       zj.ZeroConfig(**{"stage": 3,
+                                        "compute_dtype": "bfloat16",
+                                        "remat": run.remat, **overrides}),
                        zj.make_mesh(num_devices=1))
     state = engine.init(params)
     batch = engine.shard_batch(batch)
@@ -367,7 +373,9 @@ def plan_runs(args) -> dict[str, list[Run]]:
   start = list(sizes).index(args.capacity_from or
                             ("tiny" if args.tiny else "1.3b"))
   return {
-      "speed": runs(SPEED_MODES, args.batch, args.steps, speed_sizes),
+      "speed": runs(SPEED_MODES + [m for m in OPT_IN_SPEED_MODES
+                                   if args.modes and m in args.modes],
+                    args.batch, args.steps, speed_sizes),
       "offload": runs(_OFFLOADS, args.batch, args.steps, speed_sizes),
       "capacity": runs(_LADDER_MODES, args.capacity_batch, 3,
                        list(sizes)[start:]),
@@ -429,6 +437,11 @@ def main() -> None:
               f"{', '.join(sorted(REMAT_POLICIES))}")
   plans = plan_runs(args)
   chosen = [n for n in plans if args.plan in (n, "all")]
+  planned = {r.mode for n in chosen for r in plans[n]}
+  for mode in args.modes or ():
+    if mode not in planned:
+      p.error(f"--modes {mode!r} is in no run of --plan {args.plan}: "
+              "choose --plan all, or the plan that runs it")
   if args.dry_run:
     for name in chosen:
       for run in plans[name]:

@@ -81,3 +81,18 @@ def test_plans():
   ladder = [r for r in runs if r["capacity"]]
   assert len([r for r in runs if r["plan"] == "offload"]) == 2 * 4
   assert ladder[0]["size"] == "1.3b" and ladder[-1]["size"] == "30b"
+
+
+def test_opt_in_modes_run_only_when_named():
+  prefetch = "zero_jax stage 3 + prefetch"
+  runs = [json.loads(line) for line in _bench("--dry-run").splitlines()]
+  assert prefetch not in {r["mode"] for r in runs}
+  runs = [json.loads(line) for line in _bench(
+      "--dry-run", "--modes", _ZERO, prefetch).splitlines()]
+  assert [r["mode"] for r in runs[:2]] == [_ZERO, prefetch]
+  # A mode no run of the plan has is an error, not silently dropped.
+  env = dict(os.environ, PYTHONPATH=_ROOT)
+  out = subprocess.run([sys.executable, _SCRIPT, "--dry-run", "--plan",
+                        "capacity", "--modes", prefetch], env=env,
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode != 0 and "no run of --plan capacity" in out.stderr
