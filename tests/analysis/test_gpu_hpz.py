@@ -18,7 +18,7 @@ import optax
 import zero_jax as zj
 from tests._gpu import compiles_for_gpus
 from zero_jax import analysis
-from zero_jax.models import make_loss_fn
+from zero_jax.models import loop_gpt, make_loss_fn
 
 pytestmark = compiles_for_gpus
 
@@ -80,6 +80,21 @@ def test_backward_gathers_stay_inside_the_node():
   assert _per_step(c, "all-gather", cross=True) == e // K * 2
   # Inside the node, forward's gathers and backward's: (almost) every
   # parameter twice.
+  assert _per_step(c, "all-gather", cross=False) >= 1.5 * e * 2
+
+
+def test_blocks_called_in_a_loop_keep_their_secondary_copy_too():
+  # zj.layer's remat (blocks written as a Python loop) keeps it as the
+  # scan's does: each parameter crosses once.
+  loss_fn, params = loop_gpt("nnx", vocab=256, d=128, heads=4, layers=4)
+  mesh = analysis.gpu_mesh("h100", N, replica=2)
+  engine = zj.Engine(loss_fn, optax.adamw(1e-4), zj.ZeroConfig(
+      stage=3, compute_dtype="bfloat16", hpz_partition_size=K), mesh)
+  batch = {"x": jax.ShapeDtypeStruct((2 * N, 16), jnp.int32),
+           "y": jax.ShapeDtypeStruct((2 * N, 16), jnp.int32)}
+  c = analysis.compile_step(engine, jax.eval_shape(lambda: params), batch)
+  e = _sharded_elements(engine)
+  assert _per_step(c, "all-gather", cross=True) == e // K * 2
   assert _per_step(c, "all-gather", cross=False) >= 1.5 * e * 2
 
 

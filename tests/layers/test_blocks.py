@@ -74,6 +74,10 @@ def test_loop_written_models_match_single_device_optax(framework, stage):
     ("linen", dict(stage=2, mesh="2d")),
     ("nnx", dict(stage=2, grad_accum_steps=2)),
     ("linen", dict(stage=3, grad_accum_steps=2)),
+    # hpZ: each block's secondary copy kept by the block's own remat.
+    ("nnx", dict(stage=3, mesh="2d", hpz_partition_size=4)),
+    ("linen", dict(stage=3, mesh="2d", hpz_partition_size=4,
+                   grad_accum_steps=2)),
 ])
 def test_2d_meshes_and_accumulation_match_single_device_optax(framework,
                                                               config):

@@ -242,6 +242,9 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
 
   N = ``devices // (replica * model_parallel)`` is the ``data`` axis state
   is sharded over; the ``replica`` groups each hold a full set of shards.
+  (With hpZ, ``ZeroConfig.hpz_partition_size``, state is sharded over
+  every device: pass ``replica=1``. Its secondary copy, cΨ/K per device
+  for groups of K, lives during the step, like activations.)
   With ``model_parallel=M`` (``zero_jax.make_mesh(model=M)``) each device
   holds the model states of Ψ/M parameters, its model rank's slice, and the
   table below applies with Ψ/M for Ψ: every figure is 1/M of the one for
