@@ -31,7 +31,7 @@ import numpy as np
 
 from zero_jax import materialize
 from zero_jax._compat import varying_axes
-from zero_jax.layers._remat import remat_policy
+from zero_jax.layers._remat import kept_names, remat_policy
 
 # Set while a unit runs its block: the block's own module calls (and the
 # unit's pure re-application of the module) are not units again.
@@ -101,12 +101,10 @@ def run_as_unit(f: Callable[..., Any], params: Any, args: tuple[Any, ...],
   handed = [context.lookup(x) for x in leaves]
   if not any(handed):
     return f(params, *args, **kwargs)
-  # (hpZ: backward gathers from the kept secondary copy.)
   policy = remat_policy(
       context.remat if remat is None else remat,
       context.remat_names if remat_names is None else tuple(remat_names),
-      keep=((materialize.SECONDARY,) if any(
-          h is not None and h.plan.hierarchical for h in handed) else ()))
+      keep=kept_names(h.plan for h in handed if h is not None))
   context.seen[name] = context.seen.get(name, 0) + 1
   # Each sharded leaf enters as (shard, source) and is made whole inside;
   # others enter as they are. Non-array arguments are static.

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 
+from zero_jax import materialize
 from zero_jax.config import RematPolicy, check_remat
 
 # The primitive of jax.nn.dot_product_attention's cuDNN forward (jax 0.10 to
@@ -48,6 +49,14 @@ def remat_policy(name: str | RematPolicy, names: tuple[str, ...] = (),
     return policy(prim, *args, **params)
 
   return keeping
+
+
+def kept_names(plans: Iterable[Any]) -> tuple[str, ...]:
+  """The ``checkpoint_name`` tags remat must keep (``remat_policy``'s
+  ``keep``) for a block gathered by these ``LeafPlan``s: hpZ's secondary
+  copy where any is hierarchical, so that backward gathers from it."""
+  return ((materialize.SECONDARY,) if any(lp.hierarchical for lp in plans)
+          else ())
 
 
 def _policy(policy: RematPolicy, names: tuple[str, ...]) -> Any:

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax import materialize
 from zero_jax.layers._prefetch import prefetched_scan
-from zero_jax.layers._remat import remat_policy
+from zero_jax.layers._remat import kept_names, remat_policy
 from zero_jax.layout import MODEL, LeafPlan, Materialize, auto_model_size
 
 # The ``checkpoint_name`` of each layer's input (the scan's carry): what
@@ -111,7 +111,6 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
   context = materialize.current() or materialize.LossContext({})
   policy_name = context.remat if remat is None else remat
   names = context.remat_names if remat_names is None else tuple(remat_names)
-  policy = remat_policy(policy_name, names)
   leaves, treedef = jax.tree.flatten(xs)
   # Per leaf: what the scan iterates over, and how to turn one slice of it
   # back into the layer's full parameter.
@@ -140,9 +139,8 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
         "ZeroConfig.compute_dtype for low-precision compute).",
         stacklevel=2)
 
-  if any(how is not None and how[1].hierarchical for how in makers):
-    # hpZ: backward gathers each layer from its kept secondary copy.
-    policy = remat_policy(policy_name, names, keep=(materialize.SECONDARY,))
+  policy = remat_policy(policy_name, names, keep=kept_names(
+      how[1] for how in makers if how is not None))
   partitioned = context.partition_activations and auto_model_size() > 1
 
   def body(carry, sliced):
