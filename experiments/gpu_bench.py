@@ -62,8 +62,9 @@ MODES = {
     # name: ZeroConfig overrides (None: plain jax.jit + optax)
     ZERO: {},
     BASELINE: None,
-    # Each scanned layer gathered one layer ahead (on one GPU: the
-    # prefetched scan's own cost, nothing to gather); remat full only.
+    # Each scanned layer gathered one layer ahead, asked for: on one GPU
+    # "auto" leaves it off (nothing to gather), so this measures the
+    # prefetched scan's own cost; remat full only.
     "zero_jax stage 3 + prefetch": {"prefetch": True, "remat": "full"},
     # The update streamed through the device a slice at a time.
     "zero_jax stage 3 + offload": {"offload_optimizer": "host"},

@@ -163,8 +163,14 @@ def compile_peer(loss_fn, tx, params, batch, mesh):
 
 def compile_zero(loss_fn, tx, params, batch, mesh, stage: int):
   """The engine's compiled step (memory, HLO text) and its train state's
-  bytes per device, from shapes (``zero_jax.analysis.compile_step``)."""
-  engine = zj.Engine(loss_fn, tx, zj.ZeroConfig(stage=stage), mesh)
+  bytes per device, from shapes (``zero_jax.analysis.compile_step``).
+
+  Without prefetch: the paper's schedule, each layer gathered where it is
+  used. (Prefetch, the default, also gathers and reduces its first and
+  last layers twice: 4/L of the layers' Ψ more; experiments/stage3_bench.py
+  measures it.)"""
+  engine = zj.Engine(loss_fn, tx, zj.ZeroConfig(stage=stage, prefetch=False),
+                     mesh)
   c = analysis.compile_step(engine, params, batch)
   return c.memory, c.hlo, per_device_bytes(engine.abstract_state(params))
 

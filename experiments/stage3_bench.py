@@ -67,12 +67,13 @@ QUICK_SIZES = {
 }
 # zero_jax stage 3 configurations: name -> ZeroConfig overrides.
 CONFIGS = {
+    # (Prefetch "auto": each scanned layer gathered one layer ahead.)
     "default": {},
+    # Each layer gathered at the top of its own iteration.
+    "no prefetch": {"prefetch": False},
     "reduce bf16": {"reduce_dtype": "bfloat16"},
     # ZeRO++'s quantized collectives (approximate).
     "qwZ + qgZ": {"quantized_weights": True, "quantized_gradients": True},
-    # Each scanned layer gathered one layer ahead, as one collective.
-    "prefetch": {"prefetch": True},
     # ZeRO++'s hpZ over nodes of GPUS_PER_NODE (N > GPUS_PER_NODE only).
     "hpz": {"hpz_partition_size": 8},
 }

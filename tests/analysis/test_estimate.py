@@ -305,6 +305,9 @@ def gpt():
     if key not in cache:
       mesh = (zj.make_mesh(num_devices=N) if replica == 1 else
               zj.make_mesh(num_devices=N, replica=replica))
+      # (Without prefetch, whose first and last layers are gathered and
+      # reduced twice: tests/layers/test_prefetch.py counts those.)
+      config.setdefault("prefetch", False)
       engine = zj.Engine(loss_fn, optax.adamw(1e-3),
                          zj.ZeroConfig(stage=stage, **config), mesh)
       state = engine.init(params)

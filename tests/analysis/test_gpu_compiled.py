@@ -36,9 +36,12 @@ _1_3B = dict(layers=24, hidden=2048, heads=16, vocab=50304, seq_len=1024,
              micro_batch=16)
 
 
+# (Without prefetch, whose first and last layers are gathered and reduced
+# twice: tests/layers/test_prefetch.py counts its collectives.)
 @functools.cache
 def _tiny(stage, compute_dtype="bfloat16", layers=4):
   return compile_gpt("h100", N, stage, compute_dtype=compute_dtype,
+                     overrides={"prefetch": False},
                      **dict(_TINY, layers=layers))
 
 
@@ -100,7 +103,8 @@ def test_gradients_cross_in_bf16_and_are_summed_in_fp32_on_the_shard(stage):
 
 def test_bf16_sums_are_a_bf16_reduce_scatter():
   engine, _ = _tiny(3)
-  c = compile_gpt("h100", N, 3, reduce_dtype="bfloat16", **_TINY)[1]
+  c = compile_gpt("h100", N, 3, reduce_dtype="bfloat16",
+                  overrides={"prefetch": False}, **_TINY)[1]
   assert c.collectives[("reduce-scatter", "bf16")]["elements"] == (
       _sharded_elements(engine) // N)
   assert not any(kind == "all-to-all" for kind, _ in c.collectives)

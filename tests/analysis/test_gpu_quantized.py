@@ -30,7 +30,7 @@ def _compiled(**overrides):
   graphdef, params = analysis.gpt_shapes(**_SHAPE)
   engine = zj.Engine(make_loss_fn(graphdef), optax.adamw(1e-4),
                      zj.ZeroConfig(stage=3, compute_dtype="bfloat16",
-                                   **overrides), mesh)
+                                   **{"prefetch": False, **overrides}), mesh)
   batch = {"tokens": jax.ShapeDtypeStruct((2 * N, _SHAPE["seq_len"] + 1),
                                           jnp.int32)}
   return engine, analysis.compile_step(engine, params, batch)

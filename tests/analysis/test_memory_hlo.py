@@ -25,7 +25,7 @@ def gpt():
 
 def _compile(gpt, stage):
   loss_fn, params, batch = gpt
-  engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(stage=stage),
+  engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(stage=stage, prefetch=False),
                      zj.make_mesh(num_devices=N))
   state = engine.init(params)
   compiled = engine.step.lower(state, batch).compile()
@@ -92,7 +92,7 @@ def test_gradients_are_reduce_scattered_not_all_reduced(gpt, stage):
 def _measure(stage, n_layers, d_model=128):
   loss_fn, params, batches = m.gpt_setup(d_model=d_model, n_layers=n_layers,
                                          seq_len=16, batch=16, steps=1)
-  engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(stage=stage),
+  engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(stage=stage, prefetch=False),
                      zj.make_mesh(num_devices=N))
   state = engine.init(params)
   compiled = engine.step.lower(state, batches[0]).compile()

@@ -115,9 +115,9 @@ def batches(steps=5, batch=16, seed=0):
           for _ in range(steps)]
 
 
-def _engine(loss_fn, stage):
+def _engine(loss_fn, stage, **kw):
   return zj.Engine(loss_fn, optax.adamw(1e-3),
-                   zj.ZeroConfig(stage=stage, min_shard_elements=0),
+                   zj.ZeroConfig(stage=stage, min_shard_elements=0, **kw),
                    zj.make_mesh(num_devices=N))
 
 
@@ -277,7 +277,9 @@ def test_every_stage_matches_single_device_optax(framework, stage):
 
 def _collectives(framework, adapter, stage):
   loss_fn, params = SETUPS[framework](adapter)
-  engine = _engine(loss_fn, stage)
+  # (The scan without prefetch: its gathers at the top of each iteration;
+  # tests/layers/test_prefetch.py counts the prefetched scan's.)
+  engine = _engine(loss_fn, stage, prefetch=False)
   state = engine.init(params)
   compiled = engine.step.lower(state, batches(1)[0]).compile()
   size = lambda t: sum(math.prod(x.shape) for x in jax.tree.leaves(t))

@@ -129,10 +129,51 @@ def test_a_scan_asking_for_another_remat_is_refused():
     engine.step(state, {"x": jnp.ones((8, 64), jnp.float32)})
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("kw,on", [
+    ({}, True),
+    ({"stage": 2}, False),
+    ({"remat": "dots_saveable"}, False),
+    ({"offload_optimizer": "host", "compute_dtype": "bfloat16"}, False),
+])
+def test_auto_prefetches_where_the_layout_allows_and_says_which(kw, on):
+  loss_fn, params, _ = m.MODELS["gpt"](steps=1)
+  engine = zj.Engine(loss_fn, optax.sgd(0.1),
+                     zj.ZeroConfig(**{"stage": 3, **kw}),
+                     zj.make_mesh(num_devices=8))
+  engine.init(params)
+  said = [line for line in engine.describe().splitlines()
+          if line.startswith("prefetch (auto)")]
+  assert len(said) == 1
+  assert ("off" not in said[0]) is on, said
+
+
+def test_auto_runs_a_scan_asking_for_another_remat_without_prefetch():
+  # Asked for, prefetch refuses this scan (above); "auto" runs it plain,
+  # with the same result as prefetch=False.
+  def other_remat(p, b):
+    def layer(h, w):
+      return jnp.tanh(h @ w), None
+    h, _ = zj.scan_layers(layer, b["x"], p["w"], remat="dots_saveable")
+    return jnp.mean(h ** 2)
+
+  params = {"w": jnp.full((2, 64, 64), 0.05, jnp.float32)}
+  batch = {"x": jnp.ones((8, 64), jnp.float32)}
+  out = []
+  for prefetch in ("auto", False):
+    engine = zj.Engine(other_remat, optax.sgd(0.1),
+                       zj.ZeroConfig(stage=3, prefetch=prefetch,
+                                     min_shard_elements=0),
+                       zj.make_mesh(num_devices=8))
+    state, _ = engine.step(engine.init(params), batch)
+    out.append(np.asarray(engine.gather_params(state)["w"]))
+  np.testing.assert_array_equal(*out)
+  assert not np.allclose(out[0], 0.05)
+
+
+@pytest.mark.parametrize("prefetch", [False, True, "auto"])
 def test_the_step_is_compiled_with_prefetchs_options(monkeypatch, prefetch):
   # An option XLA does not know fails the compile that is given it: only
-  # the prefetching step is.
+  # the prefetching step is (at stage 3, remat full, "auto" prefetches).
   monkeypatch.setattr(zj.layers, "PREFETCH_COMPILER_OPTIONS",
                       {"xla_no_such_option_for_this_test": 1})
   loss_fn, params, batches = m.MODELS["gpt"](steps=1)
@@ -152,7 +193,8 @@ _TINY = dict(layers=4, hidden=128, heads=4, vocab=64, seq_len=16,
 @compiles_for_gpus
 def test_each_layer_is_gathered_once_a_direction_beside_gemms():
   from zero_jax import analysis
-  _, plain = analysis.compile_gpt("h100", 8, 3, **_TINY)
+  _, plain = analysis.compile_gpt("h100", 8, 3, **_TINY,
+                                  overrides={"prefetch": False})
   _, ahead = analysis.compile_gpt("h100", 8, 3, **_TINY,
                                   overrides={"prefetch": True})
   loops = [a for a in analysis.overlap(ahead.hlo) if a.executions > 1]

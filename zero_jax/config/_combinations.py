@@ -27,7 +27,7 @@ def check_combinations(config: Any) -> None:
         f"ZeroConfig.quantized_weights needs stage=3 (got stage="
         f"{config.stage}): only stage 3 all-gathers the parameters in the "
         "step; use stage=3, or quantized_weights=False.")
-  if config.prefetch and (config.stage != 3 or
+  if config.prefetch is True and (config.stage != 3 or
                         check_remat(config.remat, config.remat_names)
                         is not RematPolicy.FULL or config.offload_params or
                         config.partition_activations):
@@ -41,7 +41,7 @@ def check_combinations(config: Any) -> None:
         " or prefetch=False.")
   if config.hpz_partition_size > 1 and (
       config.stage != 3 or config.offload_params or config.offload_optimizer or
-      config.prefetch):
+      config.prefetch is True):
     raise ValueError(
         f"ZeroConfig.hpz_partition_size={config.hpz_partition_size} (hpZ) "
         f"keeps a secondary copy of stage 3's gathered parameters (got "

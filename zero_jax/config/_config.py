@@ -93,6 +93,9 @@ class ZeroConfig:
       reduce-scatter. With ``update_on="host"`` a 16-bit ``reduce_dtype`` also
       halves the gradients' bytes to the host (ZeRO-Offload's 16-bit
       gradients): they cross in it wherever one reduction made them.
+      At stage 3, a ``scan_layers`` layer's summed shard then waits for
+      the update rounded to a 16-bit ``compute_dtype``, as single-device
+      mixed precision's gemms give it (half the bytes of the stack).
     grad_accum_steps: micro-batches per step, run by a scan inside the
       jitted step. None: 1, or derived from the batch sizes below by
       DeepSpeed's rule. Stages 0-1 accumulate each device's full gradient
@@ -176,14 +179,20 @@ class ZeroConfig:
       reduce-scatter). Approximate: each device's contribution is off by
       at most half its block's ``max |g| / 127``. Replicated leaves (below
       ``min_shard_elements``) are still all-reduced exactly.
-    prefetch: stage 3 with ``remat="full"``: ``zero_jax.scan_layers``
-      gathers layer i+1's parameters while layer i runs, forward and
-      backward (XLA combines a layer's gathers into one collective), and a
-      layer's gradients as one reduction, issued while the next layer is
-      differentiated. Exact (the same sums). The step is compiled with
-      ``zero_jax.layers.PREFETCH_COMPILER_OPTIONS`` (two collectives in
-      flight, a layer's gathers combined). Costs peak memory (1.3B GPT on
-      8 H100s: 6.03 GiB against 5.66); see docs/usage.md.
+    prefetch: ``zero_jax.scan_layers`` gathers layer i+1's parameters
+      while layer i runs, forward and backward (XLA combines a layer's
+      gathers into one collective), and reduces a layer's gradients as
+      one collective, issued while the next layer is differentiated. The
+      step is compiled with ``zero_jax.layers.PREFETCH_COMPILER_OPTIONS``
+      (two collectives in flight, a layer's gathers combined). ``"auto"``
+      (default): on wherever the layout allows it, stage 3 gathering from
+      the float32 master, ``remat="full"``, no Pa, hpZ or ``model`` axis,
+      more than one device (``Engine.describe`` says which), and a scan
+      asking for another remat runs without it. ``True``: asked for;
+      refused with an error where it cannot be honoured. ``False``: off.
+      Exact: the same sums as without it. It holds the next layer's
+      parameters and the last layer's gradients besides (about two
+      layers' 16-bit parameters); see docs/usage.md.
     hpz_partition_size: ZeRO++'s hpZ (DeepSpeed's
       ``zero_hpz_partition_size``), stage 3 only; 1 (default) is off. K >
       1: the devices of a mesh ``make_mesh(replica=R)`` whose ``data``
@@ -231,7 +240,7 @@ class ZeroConfig:
   max_consecutive_skips: int = 10
   quantized_weights: bool = False
   quantized_gradients: bool = False
-  prefetch: bool = False
+  prefetch: bool | str = "auto"
   hpz_partition_size: int = 1
 
   def __post_init__(self):
@@ -375,9 +384,12 @@ class ZeroConfig:
     self._check("quantized_gradients", check_bool,
                 "True (stages 1-3) sums the gradients from int8 blocks "
                 "(ZeRO++'s qgZ).")
-    self._check("prefetch", check_bool,
-                "True (stage 3, remat='full') gathers each scanned layer "
-                "one layer ahead.")
+    if self.prefetch != "auto":
+      self._check("prefetch", check_bool,
+                  "'auto' (the default) gathers each scanned layer one layer "
+                  "ahead wherever the layout allows; True asks for it "
+                  "(stage 3, remat='full'), False turns it off.",
+                  what="True, False or 'auto'")
     self._check("hpz_partition_size", check_int, 1, _INT32_MAX,
                 fix="it is the devices per hpZ group (one node), the "
                 "'data' axis of make_mesh(replica=devices // size); 1 "

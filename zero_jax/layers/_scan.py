@@ -27,14 +27,20 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import materialize
-from zero_jax.layers._prefetch import prefetched_scan
+from zero_jax.layers._prefetch import (prefetched_scan, round_grad,
+                                      stored_dtype)
 from zero_jax.layers._remat import kept_names, remat_policy
-from zero_jax.layout import MODEL, LeafPlan, Materialize, auto_model_size
+from zero_jax.layout import (MODEL, LeafPlan, Materialize, Prefetch,
+                             auto_model_size)
 
 # The ``checkpoint_name`` of each layer's input (the scan's carry): what
 # ``remat="full"`` saves for backward. ``remat="offload_to_host"`` with this
 # name keeps it in host memory (DeepSpeed's ``cpu_checkpointing``).
 LAYER_INPUT = "layer_input"
+# The materializer whose layers' gradient shards are stacked for the update
+# in ``stored_dtype`` (the one prefetch handles; GATHER_FROM's gradients go
+# to a stand-in, in host memory under offload, and stay as they are).
+_STACKED = (Materialize.GATHER,)
 
 
 def _slice_plan(lp: LeafPlan) -> LeafPlan:
@@ -71,8 +77,16 @@ def partition_activations(carry: Any) -> Any:
   return jax.tree.map(split, carry)
 
 
-def _check_prefetch(policy: Any, makers: list[Any]) -> None:
-  """``ZeroConfig.prefetch`` is honoured or refused, never dropped."""
+def _prefetches(prefetch: Prefetch, policy: Any, makers: list[Any]) -> bool:
+  """Whether this scan gathers one layer ahead. ``ZeroConfig.prefetch``
+  asked for (``ON``) is honoured or refused, never dropped; decided by
+  the layout (``AUTO``), it applies where this scan allows it."""
+  if prefetch is Prefetch.OFF or all(how is None for how in makers):
+    return False
+  if prefetch is Prefetch.AUTO:
+    return (policy is jax.checkpoint_policies.nothing_saveable and
+            all(how is None or how[0].kind is Materialize.GATHER
+                for how in makers))
   if policy is not jax.checkpoint_policies.nothing_saveable:
     raise ValueError(
         "ZeroConfig.prefetch recomputes each layer from its input "
@@ -85,6 +99,7 @@ def _check_prefetch(policy: Any, makers: list[Any]) -> None:
           f"(stage 3), but this engine's layers come {how[0].kind.value!r} "
           "(a compute copy or host memory): use prefetch=False with that "
           "placement.")
+  return True
 
 
 def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
@@ -153,14 +168,19 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
         layer.append(s)
       else:
         materializer, lp = how
-        layer.append(materializer(lp, *s))
+        shard, source = s
+        if materializer.kind in _STACKED:
+          # The float32 gradient shards are rounded as prefetched_scan
+          # stores them (see stored_dtype), prefetching or not.
+          shard = round_grad(shard, stored_dtype(shard.dtype,
+                                                 materializer.compute_dtype))
+        layer.append(materializer(lp, shard, source))
     carry, y = f(carry, treedef.unflatten(layer))
     # (Split where the carry is made, so the loop carries it split and
     # the copy saved for backward is the split one.)
     return (partition_activations(carry) if partitioned else carry), y
 
-  if context.prefetch and any(how is not None for how in makers):
-    _check_prefetch(policy, makers)
+  if _prefetches(context.prefetch, policy, makers):
     return prefetched_scan(f, init, scanned, makers, treedef)
   if policy is not None:
     body = jax.checkpoint(body, policy=policy)

@@ -12,8 +12,8 @@ from zero_jax.layout._mesh import (DATA, MODEL, REPLICA, auto_model_size,
 from zero_jax.layout._model_specs import (LeafSpec, is_model_parallel,
                                           model_specs)
 from zero_jax.layout._placement import (ComputeCopy, GatherFrom, Materialize,
-                                        Memory, Placement, Quantize,
-                                        UpdateKind)
+                                        Memory, Placement, Prefetch,
+                                        Quantize, UpdateKind)
 from zero_jax.layout._plan import (LeafPlan, Plan, flat, is_plan, map_leaves,
                                    plan_leaf)
 
@@ -28,6 +28,7 @@ __all__ = [
     "Memory",
     "Placement",
     "Plan",
+    "Prefetch",
     "Quantize",
     "REPLICA",
     "UpdateKind",

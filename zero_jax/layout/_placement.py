@@ -81,6 +81,18 @@ class UpdateKind(enum.Enum):
   HOST = "host"  # a program of its own on the host's CPU devices
 
 
+class Prefetch(enum.Enum):
+  """Whether scanned layers are gathered one layer ahead
+  (``ZeroConfig.prefetch``, decided by the layout)."""
+
+  OFF = "off"
+  # On, decided for the layout: a scan that cannot honour it (another
+  # remat policy, parameters not gathered from their shards) runs plain.
+  AUTO = "auto"
+  # Asked for: a scan that cannot honour it raises.
+  ON = "on"
+
+
 class Materialize(enum.Enum):
   """How forward gets each sharded parameter whole, and where its gradient
   goes (``zero_jax.materialize.Materializer``)."""

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping
 
 import jax
 
+from zero_jax.layout import Prefetch
 from zero_jax.materialize._materializer import HandedParam
 
 
@@ -39,7 +40,8 @@ class LossContext:
       (``zero_jax.layers.find_units``).
     layer_classes: ``ZeroConfig.layer_classes``.
     partition_activations: ``ZeroConfig.partition_activations``.
-    prefetch: ``ZeroConfig.prefetch``.
+    prefetch: whether scanned layers are gathered one layer ahead
+      (``ZeroConfig.prefetch`` as the layout decided it).
     seen: filled while tracing: the units run, ``{name: calls}``.
   """
 
@@ -50,7 +52,7 @@ class LossContext:
   units: tuple[Any, ...] = ()
   layer_classes: tuple[str, ...] | None = None
   partition_activations: bool = False
-  prefetch: bool = False
+  prefetch: Prefetch = Prefetch.OFF
   seen: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -59,7 +61,7 @@ class LossContext:
          units: tuple[Any, ...] = (),
          layer_classes: tuple[str, ...] | None = None,
          partition_activations: bool = False,
-         prefetch: bool = False) -> "LossContext":
+         prefetch: Prefetch = Prefetch.OFF) -> "LossContext":
     """The context for these handed-over parameters."""
     return cls({id(p.array): p for p in params}, remat, tuple(remat_names),
                tuple(jax.tree.leaves(full)), tuple(units), layer_classes,

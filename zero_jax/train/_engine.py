@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from zero_jax import layers
 from zero_jax.config import RematPolicy, ZeroConfig
 from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
-                             model_specs)
+                             Prefetch, model_specs)
 from zero_jax.train import _auto_remat, _init
 from zero_jax.train._grads import Loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
@@ -353,6 +353,14 @@ class Engine:
     if cfg.remat is RematPolicy.AUTO:
       lines.append(self.remat_reason or "remat auto: chosen when the step is "
                    "first compiled (engine.step or engine.step.lower)")
+    if layout.prefetch is not Prefetch.OFF:
+      lines.append(f"prefetch ({cfg.prefetch}): each scanned layer is "
+                   "gathered while the one before it runs, forward and "
+                   "backward")
+    elif cfg.prefetch == "auto":
+      lines.append("prefetch (auto): off; it needs stage 3 gathering from "
+                   "the float32 master, remat 'full', no Pa, hpZ or "
+                   "'model' axis, and more than one device")
     lines.extend(layers.describe_units(layout.units, self.units_seen,
                                        pl.stage, cfg.layer_classes))
     if cfg.delay_update:

@@ -246,7 +246,7 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
             handed, layout.remat, cfg.remat_names, full=full,
             units=layout.units, layer_classes=cfg.layer_classes,
             partition_activations=cfg.partition_activations,
-            prefetch=cfg.prefetch)
+            prefetch=layout.prefetch)
         with materialize.handing_over(context), layers.intercepting(context):
           out = loss_of(full, batch, key)
         if seen is not None:

@@ -27,8 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zero_jax import layers, offload
 from zero_jax._paths import path_keys, path_str
 from zero_jax.config import RematPolicy, ZeroConfig
-from zero_jax.layout import (DATA, MODEL, REPLICA, ComputeCopy, Placement,
-                             Plan, UpdateKind, batch_axes, flat, layout_mesh)
+from zero_jax.layout import (DATA, MODEL, REPLICA, ComputeCopy, Materialize,
+                             Placement, Plan, Prefetch, UpdateKind,
+                             batch_axes, flat, layout_mesh)
 from zero_jax.train import _grads, _init, _loss_scale, _offloaded, _update
 from zero_jax.train._state import TrainState, on_host
 
@@ -170,6 +171,24 @@ def check_hpz(config: ZeroConfig, mesh: Mesh) -> bool:
   return True
 
 
+def decide_prefetch(config: ZeroConfig, placement: Placement, mesh: Mesh,
+                    remat: RematPolicy) -> Prefetch:
+  """``ZeroConfig.prefetch`` for this layout: asked for (the config has
+  refused what it cannot honour), off, or, for ``"auto"``, on where it is
+  built and measured: stage 3 gathering from the float32 master, remat
+  ``full``, no Pa, hpZ or ``model`` axis, over more than one device."""
+  if config.prefetch is True:
+    return Prefetch.ON
+  shape = dict(mesh.shape)
+  if (config.prefetch == "auto"
+      and placement.materialize is Materialize.GATHER
+      and remat is RematPolicy.FULL and not config.partition_activations
+      and config.hpz_partition_size == 1 and shape.get(MODEL, 1) == 1
+      and shape[DATA] * shape.get(REPLICA, 1) > 1):
+    return Prefetch.AUTO
+  return Prefetch.OFF
+
+
 def check_model_split(mesh: Mesh, plan: Plan) -> None:
   """Raises when the mesh has a ``model`` axis but no parameter is split
   over it: every model rank would repeat the same work."""
@@ -266,6 +285,13 @@ class Layout:
             tuple(tuple(x.shape) for x in
                   jax.tree.leaves(self.state_shapes.params)),
             self.param_dtypes)
+
+  @property
+  def prefetch(self) -> Prefetch:
+    """Whether scanned layers are gathered one layer ahead (at this
+    layout's remat policy)."""
+    return decide_prefetch(self.config, self.placement, self.mesh,
+                           self.remat)
 
   @property
   def replicated(self) -> NamedSharding:

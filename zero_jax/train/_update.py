@@ -26,8 +26,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import layers, materialize
-from zero_jax.layout import (DATA, MODEL, ComputeCopy, UpdateKind, flat,
-                             plan_leaf)
+from zero_jax.layout import (DATA, MODEL, ComputeCopy, Prefetch, UpdateKind,
+                             flat, plan_leaf)
 from zero_jax.train import _init, _loss_scale
 from zero_jax.train._state import TrainState, compute_copy, on_device
 
@@ -267,7 +267,8 @@ class OnDevice:
     return jax.jit(fn, donate_argnums=0,
                    out_shardings=(layout.state_shardings, r, r),
                    compiler_options=(layers.PREFETCH_COMPILER_OPTIONS
-                                     if layout.config.prefetch else None))
+                                     if layout.prefetch is not Prefetch.OFF
+                                     else None))
 
   def finish(self, layout, state, grads, metrics):
     prepared = prepare(layout, grads, state.step, state.loss_scale,
