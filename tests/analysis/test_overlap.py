@@ -261,7 +261,11 @@ def test_compiled_gathers_overlap_an_independent_matmul_only(independent):
 
 @functools.cache
 def _tiny_gpt():
-  engine, zero = analysis.compile_gpt("h100", N, 3, **_TINY)
+  # The step without prefetch: each layer's gathers at the top of its
+  # iteration (the default prefetches; its collectives are counted in
+  # tests/layers/test_prefetch.py and below).
+  engine, zero = analysis.compile_gpt("h100", N, 3, **_TINY,
+                                      overrides={"prefetch": False})
   state, gspmd = analysis.compile_gspmd_gpt("h100", N, **_TINY)
   return engine, zero, state, gspmd
 
