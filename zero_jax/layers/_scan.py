@@ -84,9 +84,8 @@ def _prefetches(prefetch: Prefetch, policy: Any, makers: list[Any]) -> bool:
   if prefetch is Prefetch.OFF or all(how is None for how in makers):
     return False
   if prefetch is Prefetch.AUTO:
-    return (policy is jax.checkpoint_policies.nothing_saveable and
-            all(how is None or how[0].kind is Materialize.GATHER
-                for how in makers))
+    # (The layout decided it for parameters gathered from their shards.)
+    return policy is jax.checkpoint_policies.nothing_saveable
   if policy is not jax.checkpoint_policies.nothing_saveable:
     raise ValueError(
         "ZeroConfig.prefetch recomputes each layer from its input "
@@ -169,11 +168,11 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
       else:
         materializer, lp = how
         shard, source = s
-        if materializer.kind in _STACKED:
+        stored = stored_dtype(shard.dtype, materializer.compute_dtype)
+        if materializer.kind in _STACKED and stored != shard.dtype:
           # The float32 gradient shards are rounded as prefetched_scan
-          # stores them (see stored_dtype), prefetching or not.
-          shard = round_grad(shard, stored_dtype(shard.dtype,
-                                                 materializer.compute_dtype))
+          # stores them, prefetching or not.
+          shard = round_grad(shard, stored)
         layer.append(materializer(lp, shard, source))
     carry, y = f(carry, treedef.unflatten(layer))
     # (Split where the carry is made, so the loop carries it split and
