@@ -200,14 +200,22 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
       d_in, d_gathered, d_fl, d_consts = pull((d_h, d_y))
       return (d_in, behind, d_gathered, acc), (d_fl, d_consts)
 
-    current = gather(params, n - 1)
+    # The last layer's gather and the zeros standing for the gradients of
+    # a layer after it depend on nothing in forward, so XLA's scheduler
+    # would issue them before the forward scan and hold them (two layers)
+    # through it; tied to the incoming cotangent, they wait for backward.
+    d_out, last, zero = jax.lax.optimization_barrier(
+        (d_out, _index(params, n - 1), jnp.zeros((), jnp.float32)))
+    current = [how(lp, *args) for (how, lp), args in zip(hows, last)]
     # Each layer's gradient shards, stored in ``stored_dtype``.
     acc = [jax.tree.map(
         lambda x, c=how.compute_dtype: jnp.zeros_like(
             x, stored_dtype(x.dtype, c)), p)
            for p, (how, _) in zip(params, hows)]
+    pending = jax.tree.map(
+        lambda x: jnp.broadcast_to(zero.astype(x.dtype), x.shape), current)
     (d_init, _, pending, acc), (d_floats, d_consts) = jax.lax.scan(
-        body, (d_out, current, jax.tree.map(jnp.zeros_like, current), acc),
+        body, (d_out, current, pending, acc),
         (steps, inputs, floats, fixed, d_ys), reverse=True)
     d_params = jax.tree.map(lambda a, x: a.astype(x.dtype),
                             store(acc, reduce(pending, 0), 0), params)
