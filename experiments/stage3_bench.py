@@ -7,7 +7,8 @@ remat ``"full"``) for N compile-only H100s (``zero_jax.analysis.gpu_mesh``,
 no GPU needed), two ways:
 
 - zero_jax stage 3 (``analysis.compile_gpt``), once per entry of
-  ``CONFIGS`` (name -> ``ZeroConfig`` overrides);
+  ``CONFIGS`` (name -> ``ZeroConfig`` overrides), and stage 2 beside it,
+  with and without its compute copy gathered in forward (prefetch);
 - the MaxText-style GSPMD FSDP peer (``analysis.compile_gspmd_gpt``): one
   plain ``jax.jit`` of the same loss, gradient and optax update, with the
   same stage-3 layout of parameters and optimizer state and the
@@ -65,7 +66,8 @@ QUICK_SIZES = {
     "tiny": dict(hidden=128, layers=4, heads=4, micro_batch=2, vocab=64,
                  seq_len=16, attention="einsum"),
 }
-# zero_jax stage 3 configurations: name -> ZeroConfig overrides.
+# zero_jax configurations (stage 3 unless "stage" says otherwise): name ->
+# ZeroConfig overrides.
 CONFIGS = {
     # (Prefetch "auto": each scanned layer gathered one layer ahead.)
     "default": {},
@@ -76,6 +78,11 @@ CONFIGS = {
     "qwZ + qgZ": {"quantized_weights": True, "quantized_gradients": True},
     # ZeRO++'s hpZ over nodes of GPUS_PER_NODE (N > GPUS_PER_NODE only).
     "hpz": {"hpz_partition_size": 8},
+    # Stage 2: the replicated bf16 copy all-gathered after the update
+    # (prefetch off), and the default, which keeps that copy sharded and
+    # gathers it one layer ahead in forward (FSDP's SHARD_GRAD_OP).
+    "stage 2, no prefetch": {"stage": 2, "prefetch": False},
+    "stage 2": {"stage": 2},
 }
 GPUS_PER_NODE = 8
 GSPMD = "gspmd"
@@ -85,6 +92,8 @@ GATHER, REDUCE = "all-gather", "reduce-scatter"
 
 
 def label(run: str) -> str:
+  if "stage" in CONFIGS.get(run, {}):
+    return f"zero_jax {run}"
   return LABELS.get(run, f"zero_jax stage 3 ({run})")
 
 
@@ -365,7 +374,8 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
       "6.7b: 32 layers, d 4096, 32 heads, micro-batch 4 (sequences per "
       "device).",
       "- zero_jax: `analysis.compile_gpt(stage=3)` with the config's "
-      "ZeroConfig overrides; GSPMD FSDP: `analysis.compile_gspmd_gpt`, one "
+      "ZeroConfig overrides (`stage=2` where the config says so); GSPMD "
+      "FSDP: `analysis.compile_gspmd_gpt`, one "
       "`jax.jit` of the same loss and update, params and AdamW state laid "
       "out by the same stage-3 plan, activations pinned to the batch "
       "sharding at every block boundary and on the logits.",

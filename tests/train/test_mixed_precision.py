@@ -70,21 +70,28 @@ def test_16bit_tracks_single_device_16bit(low_precision_reference, stage):
   # fp32 master and optimizer state; the 16-bit copy only at stages 1-2.
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
   if stage in (1, 2):
-    for x in jax.tree.leaves(state.compute_params):
-      assert x.dtype == dtype and x.sharding.is_fully_replicated
-    for x, lp in zip(jax.tree.leaves(state.params),
-                     layout.flat(engine.param_plan.leaves)):
+    # Stage 1's copy is replicated; stage 2's (prefetch, the default) is
+    # sharded as the master is, and gathered in forward.
+    for x, c, lp in zip(jax.tree.leaves(state.params),
+                        jax.tree.leaves(state.compute_params),
+                        layout.flat(engine.param_plan.leaves)):
       assert x.sharding.is_fully_replicated == (not lp.sharded)
+      assert c.dtype == dtype
+      assert c.sharding.is_fully_replicated == (stage == 1 or not lp.sharded)
   else:
     assert state.compute_params is None
 
 
 def _emitted_comm(stage, compute_dtype, reduce_dtype=None):
-  """Collectives of the step as zero_jax emits it (before XLA passes)."""
+  """Collectives of the step as zero_jax emits it (before XLA passes).
+
+  Without prefetch, whose loop bodies (counted once here) gather and
+  reduce one layer more than they run; its collectives are counted in
+  tests/layers/test_prefetch.py."""
   loss_fn, params, batches = m.gpt_setup(d_model=64, n_layers=2, steps=1)
   engine = zj.Engine(loss_fn, m.OPTIMIZERS["adamw"](),
                      zj.ZeroConfig(stage=stage, compute_dtype=compute_dtype,
-                                   reduce_dtype=reduce_dtype),
+                                   reduce_dtype=reduce_dtype, prefetch=False),
                      zj.make_mesh(num_devices=8))
   lowered = engine.step.lower(engine.init(params), batches[0])
   return analysis.summarize(lowered.as_text(dialect="hlo"))

@@ -27,18 +27,25 @@ def check_combinations(config: Any) -> None:
         f"ZeroConfig.quantized_weights needs stage=3 (got stage="
         f"{config.stage}): only stage 3 all-gathers the parameters in the "
         "step; use stage=3, or quantized_weights=False.")
-  if config.prefetch is True and (config.stage != 3 or
-                        check_remat(config.remat, config.remat_names)
-                        is not RematPolicy.FULL or config.offload_params or
-                        config.partition_activations):
+  stage2 = (config.stage == 2 and config.compute_dtype not in
+            (None, "float32") and not config.offload_optimizer and
+            config.update_on != "host")
+  if config.prefetch is True and (
+      (config.stage != 3 and not stage2) or
+      check_remat(config.remat, config.remat_names) is not RematPolicy.FULL
+      or config.offload_params or config.partition_activations):
     raise ValueError(
-        f"ZeroConfig.prefetch gathers scanned layers one layer ahead at "
-        f"stage 3 with remat='full' (got stage={config.stage}, remat="
-        f"{check_remat(config.remat, config.remat_names).value!r}, "
+        f"ZeroConfig.prefetch gathers scanned layers one layer ahead, at "
+        f"stage 3, or at stage 2 from its 16-bit compute copy on the device,"
+        f" with remat='full' (got stage={config.stage}, compute_dtype="
+        f"{config.compute_dtype!r}, offload_optimizer="
+        f"{config.offload_optimizer!r}, update_on={config.update_on!r}, "
+        f"remat={check_remat(config.remat, config.remat_names).value!r}, "
         f"offload_params={config.offload_params!r}, "
         f"partition_activations={config.partition_activations}): use "
-        "stage=3, remat='full', no offload_params or partition_activations;"
-        " or prefetch=False.")
+        "stage=3 (or stage=2 with a compute_dtype and no offload), "
+        "remat='full', no offload_params or partition_activations; or "
+        "prefetch=False.")
   if config.hpz_partition_size > 1 and (
       config.stage != 3 or config.offload_params or config.offload_optimizer or
       config.prefetch is True):

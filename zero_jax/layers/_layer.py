@@ -104,7 +104,8 @@ def run_as_unit(f: Callable[..., Any], params: Any, args: tuple[Any, ...],
   policy = remat_policy(
       context.remat if remat is None else remat,
       context.remat_names if remat_names is None else tuple(remat_names),
-      keep=kept_names(h.plan for h in handed if h is not None))
+      keep=kept_names((h.materializer, h.plan) for h in handed
+                      if h is not None))
   context.seen[name] = context.seen.get(name, 0) + 1
   # Each sharded leaf enters as (shard, source) and is made whole inside;
   # others enter as they are. Non-array arguments are static.

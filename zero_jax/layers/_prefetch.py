@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import materialize
+from zero_jax.layout import Materialize
 
 # XLA options the step is compiled with under prefetch (GPU scheduling; no
 # effect elsewhere): two collectives in flight, a layer's gather beside the
@@ -80,6 +81,22 @@ def stored_dtype(shard: Any, compute: Any) -> Any:
   return jnp.dtype(shard)
 
 
+def grad_dtype(how: Any, shard: Any) -> Any:
+  """The dtype a scanned layer's gradient shard waits in for the update:
+  ``stored_dtype`` for a layer gathered from its float32 shards
+  (``Materialize.GATHER``); as the shard's otherwise (a stand-in whose
+  gradient goes to host memory under offload, or stage 2's, whose
+  replicated path sums in float32 too).
+
+  Args:
+    how: the leaf's ``Materializer``.
+    shard: the shard's dtype.
+  """
+  if how.kind is Materialize.GATHER:
+    return stored_dtype(shard, how.compute_dtype)
+  return jnp.dtype(shard)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def round_grad(x: jax.Array, dtype: Any) -> jax.Array:
   """``x``, whose gradient is rounded to ``dtype`` (and kept in ``x``'s):
@@ -107,6 +124,10 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
   """``scan_layers``'s loop (``remat="full"``) with each layer's gather
   issued one layer ahead, forward and backward.
 
+  Where the materializers keep what they gather (stage 2's compute copy,
+  ``Materializer.keep``), forward saves each gathered layer for backward,
+  which then gathers nothing and only reduces.
+
   Args:
     f: the layer, ``f(carry, layer) -> (carry, y)``.
     init: the initial carry.
@@ -126,12 +147,18 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
   params, floats, fixed = ([s for s, k in zip(scanned, kinds) if k == kind]
                            for kind in ("param", "float", "fixed"))
   hows = [m for m in makers if m is not None]
+  keep = any(how.keep for how, _ in hows)
+  # What is differentiated (the shards, or their stand-ins), and what is
+  # gathered from when it is another copy (else None).
+  shards = [p for p, _ in params]
+  sources = [src for _, src in params]
   n = jax.tree.leaves(scanned)[0].shape[0]
 
-  def gather(ps, i):
+  def gather(shards, i):
     # Leaf by leaf, each into its own buffer (XLA combines the collectives;
     # see COMPILER_OPTIONS).
-    return [how(lp, *args) for (how, lp), args in zip(hows, _index(ps, i))]
+    return [how(lp, sh, src) for (how, lp), sh, src in
+            zip(hows, _index(shards, i), _index(sources, i))]
 
   def layer(gathered, floats, fixed):
     parts = {"param": iter(gathered), "float": iter(floats),
@@ -141,55 +168,58 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
   # Closed-over arrays (f may read a table or a weight shared by the layers)
   # become explicit inputs, so that their gradients are returned.
   example = jax.eval_shape(
-      lambda ps, fl, fx: layer(gather(ps, 0), _index(fl, 0), _index(fx, 0)),
-      params, floats, fixed)
+      lambda sh, fl, fx: layer(gather(sh, 0), _index(fl, 0), _index(fx, 0)),
+      shards, floats, fixed)
   f_conv, consts = jax.closure_convert(lambda h, x: f(h, x), init, example)
   steps = jnp.arange(n)
 
   def apply(h, gathered, floats, consts, fixed):
     return f_conv(h, layer(gathered, floats, fixed), *consts)
 
-  def forward(init, params, floats, consts, fixed):
+  def forward(init, shards, floats, consts, fixed):
     def body(carry, xs):
       h, current = carry
       i, fl, fx = xs
-      ahead = gather(params, jnp.minimum(i + 1, n - 1))
+      ahead = gather(shards, jnp.minimum(i + 1, n - 1))
       h_out, y = apply(h, current, fl, consts, fx)
-      return (h_out, ahead), (y, h)
+      return (h_out, ahead), (y, h, current if keep else None)
 
-    (h, _), (ys, inputs) = jax.lax.scan(body, (init, gather(params, 0)),
-                                        (steps, floats, fixed))
-    return (h, ys), inputs
+    (h, _), (ys, inputs, kept) = jax.lax.scan(
+        body, (init, gather(shards, 0)), (steps, floats, fixed))
+    return (h, ys), (inputs, kept)
 
   @jax.custom_vjp
-  def run(init, params, floats, consts, fixed):
-    return forward(init, params, floats, consts, fixed)[0]
+  def run(init, shards, floats, consts, fixed):
+    return forward(init, shards, floats, consts, fixed)[0]
 
-  def run_fwd(init, params, floats, consts, fixed):
-    out, inputs = forward(init, params, floats, consts, fixed)
-    return out, (inputs, params, floats, consts, fixed)
+  def run_fwd(init, shards, floats, consts, fixed):
+    out, (inputs, kept) = forward(init, shards, floats, consts, fixed)
+    return out, (inputs, kept, shards, floats, consts, fixed)
 
   def run_bwd(res, cotangent):
-    inputs, params, floats, consts, fixed = res
+    inputs, kept, shards, floats, consts, fixed = res
     d_out, d_ys = cotangent
 
     def reduce(d_gathered, j):
       # Layer j's weight gradients to its shards: the gather's transpose
       # (its primal result unused: XLA drops it).
+      sources_j = _index(sources, j)
       _, to_shards = jax.vjp(
-          lambda ps: materialize.materialize_together(hows, ps),
-          _index(params, j))
+          lambda sh: materialize.materialize_together(
+              hows, list(zip(sh, sources_j))), _index(shards, j))
       return to_shards(d_gathered)[0]
 
-    def store(acc, d_params, j):
-      return jax.tree.map(
-          lambda a, d: jax.lax.dynamic_update_index_in_dim(
-              a, d.astype(a.dtype), j, 0), acc, d_params)
+    def store(acc, d_shards, j):
+      return [jax.lax.dynamic_update_index_in_dim(a, d.astype(a.dtype), j, 0)
+              for a, d in zip(acc, d_shards)]
 
     def body(carry, xs):
       d_h, current, pending, acc = carry
-      i, h_in, fl, fx, d_y = xs
-      behind = gather(params, jnp.maximum(i - 1, 0))
+      i, h_in, fl, fx, d_y, kept_i = xs
+      if keep:
+        current = kept_i
+      else:
+        behind = gather(shards, jnp.maximum(i - 1, 0))
       # Layer i+1's gradients, made in the last iteration, are reduced
       # while layer i is differentiated. (In the first iteration, i = L-1,
       # pending is zeros, stored where layer L-1's gradients go next.)
@@ -198,29 +228,35 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
       _, pull = jax.vjp(lambda h, g, fl, c: apply(h, g, fl, c, fx),
                         h_in, current, fl, consts)
       d_in, d_gathered, d_fl, d_consts = pull((d_h, d_y))
-      return (d_in, behind, d_gathered, acc), (d_fl, d_consts)
+      return ((d_in, None if keep else behind, d_gathered, acc),
+              (d_fl, d_consts))
 
     # The last layer's gather and the zeros standing for the gradients of
     # a layer after it depend on nothing in forward, so XLA's scheduler
     # would issue them before the forward scan and hold them (two layers)
     # through it; tied to the incoming cotangent, they wait for backward.
     d_out, last, zero = jax.lax.optimization_barrier(
-        (d_out, _index(params, n - 1), jnp.zeros((), jnp.float32)))
-    current = [how(lp, *args) for (how, lp), args in zip(hows, last)]
-    # Each layer's gradient shards, stored in ``stored_dtype``.
-    acc = [jax.tree.map(
-        lambda x, c=how.compute_dtype: jnp.zeros_like(
-            x, stored_dtype(x.dtype, c)), p)
-           for p, (how, _) in zip(params, hows)]
+        (d_out, _index(shards, n - 1), jnp.zeros((), jnp.float32)))
+    if keep:
+      like = _index(kept, n - 1)
+      current = None
+    else:
+      current = [how(lp, sh, src) for (how, lp), sh, src in
+                 zip(hows, last, _index(sources, n - 1))]
+      like = current
+    # Each layer's gradient shards, stored in ``grad_dtype``.
+    acc = [jnp.zeros_like(sh, grad_dtype(how, sh.dtype))
+           for sh, (how, _) in zip(shards, hows)]
     pending = jax.tree.map(
-        lambda x: jnp.broadcast_to(zero.astype(x.dtype), x.shape), current)
+        lambda x: jnp.broadcast_to(zero.astype(x.dtype), x.shape), like)
     (d_init, _, pending, acc), (d_floats, d_consts) = jax.lax.scan(
         body, (d_out, current, pending, acc),
-        (steps, inputs, floats, fixed, d_ys), reverse=True)
-    d_params = jax.tree.map(lambda a, x: a.astype(x.dtype),
-                            store(acc, reduce(pending, 0), 0), params)
+        (steps, inputs, floats, fixed, d_ys, kept), reverse=True)
+    d_shards = [a.astype(sh.dtype) for a, sh in
+                zip(store(acc, reduce(pending, 0), 0), shards)]
     d_consts = jax.tree.map(lambda d: jnp.sum(d, axis=0), d_consts)
-    return d_init, d_params, d_floats, d_consts, [None] * len(fixed)
+    return d_init, d_shards, d_floats, d_consts, [None] * len(fixed)
 
   run.defvjp(run_fwd, run_bwd)
-  return run(init, params, floats, list(consts), fixed)
+  # (The sources are read, not differentiated: closed over.)
+  return run(init, shards, floats, list(consts), fixed)

@@ -51,12 +51,18 @@ def remat_policy(name: str | RematPolicy, names: tuple[str, ...] = (),
   return keeping
 
 
-def kept_names(plans: Iterable[Any]) -> tuple[str, ...]:
+def kept_names(hows: Iterable[tuple[Any, Any]]) -> tuple[str, ...]:
   """The ``checkpoint_name`` tags remat must keep (``remat_policy``'s
-  ``keep``) for a block gathered by these ``LeafPlan``s: hpZ's secondary
-  copy where any is hierarchical, so that backward gathers from it."""
-  return ((materialize.SECONDARY,) if any(lp.hierarchical for lp in plans)
-          else ())
+  ``keep``) for a block made whole by these ``(Materializer, LeafPlan)``
+  pairs: hpZ's secondary copy where any plan is hierarchical, so that
+  backward gathers from it; the gathered parameters themselves where a
+  materializer keeps them (stage 2's compute copy), so that backward does
+  not gather at all."""
+  hows = list(hows)
+  names = ((materialize.SECONDARY,) if any(lp.hierarchical for _, lp in hows)
+           else ())
+  return names + ((materialize.KEPT,) if any(m.keep for m, _ in hows)
+                  else ())
 
 
 def _policy(policy: RematPolicy, names: tuple[str, ...]) -> Any:

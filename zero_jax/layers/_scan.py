@@ -27,8 +27,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import materialize
-from zero_jax.layers._prefetch import (prefetched_scan, round_grad,
-                                      stored_dtype)
+from zero_jax.layers._prefetch import (grad_dtype, prefetched_scan,
+                                      round_grad)
 from zero_jax.layers._remat import kept_names, remat_policy
 from zero_jax.layout import (MODEL, LeafPlan, Materialize, Prefetch,
                              auto_model_size)
@@ -37,10 +37,6 @@ from zero_jax.layout import (MODEL, LeafPlan, Materialize, Prefetch,
 # ``remat="full"`` saves for backward. ``remat="offload_to_host"`` with this
 # name keeps it in host memory (DeepSpeed's ``cpu_checkpointing``).
 LAYER_INPUT = "layer_input"
-# The materializer whose layers' gradient shards are stacked for the update
-# in ``stored_dtype`` (the one prefetch handles; GATHER_FROM's gradients go
-# to a stand-in, in host memory under offload, and stay as they are).
-_STACKED = (Materialize.GATHER,)
 
 
 def _slice_plan(lp: LeafPlan) -> LeafPlan:
@@ -92,12 +88,13 @@ def _prefetches(prefetch: Prefetch, policy: Any, makers: list[Any]) -> bool:
         "(remat='full'), but this scan_layers call asks for another remat "
         "policy: drop its remat argument, or use prefetch=False.")
   for how in makers:
-    if how is not None and how[0].kind is not Materialize.GATHER:
+    if (how is not None and how[0].kind is not Materialize.GATHER
+        and not how[0].keep):
       raise ValueError(
           "ZeroConfig.prefetch gathers layers from their float32 shards "
-          f"(stage 3), but this engine's layers come {how[0].kind.value!r} "
-          "(a compute copy or host memory): use prefetch=False with that "
-          "placement.")
+          "(stage 3) or from stage 2's compute copy, but this engine's "
+          f"layers come {how[0].kind.value!r} (a stage-3 compute copy or "
+          "host memory): use prefetch=False with that placement.")
   return True
 
 
@@ -154,7 +151,7 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
         stacklevel=2)
 
   policy = remat_policy(policy_name, names, keep=kept_names(
-      how[1] for how in makers if how is not None))
+      how for how in makers if how is not None))
   partitioned = context.partition_activations and auto_model_size() > 1
 
   def body(carry, sliced):
@@ -168,8 +165,8 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
       else:
         materializer, lp = how
         shard, source = s
-        stored = stored_dtype(shard.dtype, materializer.compute_dtype)
-        if materializer.kind in _STACKED and stored != shard.dtype:
+        stored = grad_dtype(materializer, shard.dtype)
+        if stored != shard.dtype:
           # The float32 gradient shards are rounded as prefetched_scan
           # stores them, prefetching or not.
           shard = round_grad(shard, stored)
@@ -179,7 +176,9 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
     # the copy saved for backward is the split one.)
     return (partition_activations(carry) if partitioned else carry), y
 
-  if _prefetches(context.prefetch, policy, makers):
+  # (Whether to prefetch reads the policy asked for, before ``keep``
+  # wraps it.)
+  if _prefetches(context.prefetch, remat_policy(policy_name, names), makers):
     return prefetched_scan(f, init, scanned, makers, treedef)
   if policy is not None:
     body = jax.checkpoint(body, policy=policy)

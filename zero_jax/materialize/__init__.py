@@ -19,10 +19,12 @@ from zero_jax.materialize._hierarchical import (SECONDARY,
                                                 gather_hierarchical)
 from zero_jax.materialize._context import (LossContext, current,
                                            handing_over)
-from zero_jax.materialize._materializer import (HandedParam, Materializer,
+from zero_jax.materialize._materializer import (KEPT, HandedParam,
+                                                Materializer,
                                                 materialize_together)
 
 __all__ = [
+    "KEPT",
     "SECONDARY",
     "HandedParam",
     "LossContext",

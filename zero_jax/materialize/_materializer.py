@@ -18,10 +18,17 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.layout import LeafPlan, Materialize, Quantize
 from zero_jax.materialize import _collectives as collectives
 from zero_jax.materialize._hierarchical import gather_hierarchical
+
+
+# The ``checkpoint_name`` of a parameter gathered to be kept for backward
+# (``Materializer.keep``): remat policies save it, so backward reads it
+# rather than gathering again.
+KEPT = "zero_kept_gathered"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +49,9 @@ class Materializer:
     grad_to_host: ``GATHER_FROM``: the gradient shard goes to host memory.
     quantize: ZeRO++'s quantized gathers (``GATHER``, ``GATHER_FROM``) and
       gradient reductions (all three).
+    keep: the full value is kept for backward (stage 2's gathered compute
+      copy, ``Placement.keeps_gathered``): named ``KEPT``, which remat
+      policies save.
   """
 
   kind: Materialize
@@ -50,11 +60,17 @@ class Materializer:
   to_device: bool = False
   grad_to_host: bool = False
   quantize: Quantize = Quantize()
+  keep: bool = False
 
   def __call__(self, plan: LeafPlan, shard: jax.Array,
                source: jax.Array | None) -> jax.Array:
     """The full value of a sharded leaf (or of one layer slice of it, with
     that slice's plan), for use inside ``shard_map``."""
+    full = self._make(plan, shard, source)
+    return checkpoint_name(full, KEPT) if self.keep else full
+
+  def _make(self, plan: LeafPlan, shard: jax.Array,
+            source: jax.Array | None) -> jax.Array:
     if plan.hierarchical:
       if self.kind is not Materialize.GATHER:
         raise ValueError(

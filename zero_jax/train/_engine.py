@@ -353,14 +353,19 @@ class Engine:
     if cfg.remat is RematPolicy.AUTO:
       lines.append(self.remat_reason or "remat auto: chosen when the step is "
                    "first compiled (engine.step or engine.step.lower)")
-    if layout.prefetch is not Prefetch.OFF:
+    if layout.prefetch is not Prefetch.OFF and pl.keeps_gathered:
+      lines.append(f"prefetch ({cfg.prefetch}): each scanned layer of the "
+                   "compute copy is gathered while the one before it runs, "
+                   "and kept for backward")
+    elif layout.prefetch is not Prefetch.OFF:
       lines.append(f"prefetch ({cfg.prefetch}): each scanned layer is "
                    "gathered while the one before it runs, forward and "
                    "backward")
     elif cfg.prefetch == "auto":
       lines.append("prefetch (auto): off; it needs stage 3 gathering from "
-                   "the float32 master, remat 'full', no Pa, hpZ or "
-                   "'model' axis, and more than one device")
+                   "the float32 master, or stage 2 with a compute_dtype, "
+                   "no offload and one micro-batch a step; remat 'full', "
+                   "no Pa, hpZ or 'model' axis, and more than one device")
     lines.extend(layers.describe_units(layout.units, self.units_seen,
                                        pl.stage, cfg.layer_classes))
     if cfg.delay_update:

@@ -110,7 +110,8 @@ class _Sharded:
     return [materialize.Materializer(
         pl.materialize, pl.compute_dtype, pl.reduce_dtype,
         to_device=gather_from and pl.gathers_from_host,
-        grad_to_host=gather_from and to_host, quantize=pl.quantize)
+        grad_to_host=gather_from and to_host, quantize=pl.quantize,
+        keep=pl.keeps_gathered)
             for to_host in self.grads_to_host]
 
   def wrt(self, params: Any, source: Any) -> Any:
