@@ -1,8 +1,9 @@
-"""Stage 2 gathering its 16-bit compute copy in forward (``prefetch``, the
-default): the copy stays sharded between steps, forward gathers each layer
-of it (one layer ahead in ``scan_layers``) and keeps it for backward, as
-PyTorch FSDP's SHARD_GRAD_OP does, where the replicated copy would be
-all-gathered after each update with nothing to overlap.
+"""Stage 2 gathering its parameters in forward (``prefetch``, the default):
+no 16-bit copy is kept between steps; forward gathers each layer of the
+fp32 master's shards in the compute dtype (one layer ahead in
+``scan_layers``) and keeps it for backward, as PyTorch FSDP's
+SHARD_GRAD_OP does, where a replicated copy would be all-gathered after
+each update with nothing to overlap.
 
 It must train bit for bit as the replicated copy does, on every path a
 model can take (a prefetched scan, a scan under another remat policy, whole
@@ -36,7 +37,8 @@ def _engine(loss_fn, model="gpt", replica=1, **kw):
     ("gpt", 1, {"prefetch": True}),             # asked for
     ("mlp", 1, {"min_shard_elements": 0}),      # whole leaves, no scan
 ])
-def test_gathering_the_copy_trains_as_the_replicated_copy(model, replica, kw):
+def test_gathering_in_forward_trains_as_the_replicated_copy(model, replica,
+                                                           kw):
   loss_fn, params, batches = m.MODELS[model](
       **({"steps": 4} if model == "gpt" else {}))
   (l0, p0, s0), (l1, p1, s1) = [
@@ -46,27 +48,45 @@ def test_gathering_the_copy_trains_as_the_replicated_copy(model, replica, kw):
   np.testing.assert_array_equal(l0, l1)
   for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  # Between steps the copy is sharded where the master is.
-  for c0, c1, x in zip(jax.tree.leaves(s0.compute_params),
-                       jax.tree.leaves(s1.compute_params),
-                       jax.tree.leaves(s1.params)):
-    assert c0.sharding.is_fully_replicated
-    assert (c1.sharding.is_fully_replicated ==
-            x.sharding.is_fully_replicated)
-    np.testing.assert_array_equal(np.asarray(c0), np.asarray(c1))
+  # Between steps: the sharded master alone, no replicated copy.
+  assert all(c.sharding.is_fully_replicated
+             for c in jax.tree.leaves(s0.compute_params))
+  assert s1.compute_params is None
+  for x0, x1 in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params)):
+    assert x0.sharding == x1.sharding
+
+
+def test_with_tensor_parallelism_too():
+  # Each model rank gathers its own slice of the copy over data.
+  from tests import _tp_models as tpm  # pylint: disable=g-import-not-at-top
+  batches = tpm.tp_batches(3)
+  runs = []
+  for off in ({"prefetch": False}, {}):
+    engine = zj.Engine(tpm.nnx_loss, optax.adamw(1e-2, weight_decay=0.1),
+                       zj.ZeroConfig(**BF16, min_shard_elements=0, **off),
+                       zj.make_mesh(model=2))
+    runs.append(m.train_engine(engine, tpm.nnx_init(), batches))
+  (l0, p0, _), (l1, p1, s1) = runs
+  assert engine.placement.keeps_gathered
+  np.testing.assert_array_equal(l0, l1)
+  for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_the_layout_and_describe_say_so():
   loss_fn, params, _ = m.MODELS["gpt"](steps=1)
   on, off = _engine(loss_fn), _engine(loss_fn, prefetch=False)
   assert on.placement.keeps_gathered and not off.placement.keeps_gathered
-  assert on.placement.compute_copy is layout.ComputeCopy.SHARDED
-  assert on.placement.materialize is layout.Materialize.GATHER_FROM
+  assert on.placement.compute_copy is None
+  assert off.placement.compute_copy is layout.ComputeCopy.REPLICATED
+  assert on.placement.materialize is layout.Materialize.GATHER
   assert off.placement.materialize is layout.Materialize.SCATTER
   on.init(params)
   text = on.describe()
-  assert "forward gathers each layer of it and keeps it for backward" in text
-  assert "prefetch (auto): each scanned layer of the compute copy" in text
+  assert ("no bfloat16 copy between steps; forward gathers each layer of "
+          "the master's shards in bfloat16 and keeps it for backward") in text
+  assert ("prefetch (auto): each scanned layer is gathered while the one "
+          "before it runs, and kept for backward") in text
 
 
 def test_accumulation_keeps_the_replicated_copy_or_is_refused():
@@ -102,8 +122,9 @@ _TINY = dict(layers=12, hidden=128, heads=4, vocab=64, seq_len=16,
 def test_its_gathers_overlap_gemms_and_its_peak_is_no_higher():
   # Compiled for 8 H100s: the replicated copy's all-gathers run after the
   # update, where no gemm is left to overlap; gathered one layer ahead in
-  # forward, nine in ten overlap one, the same bytes once (backward reads
-  # what forward kept: no second gather), and the peak is no higher.
+  # forward, nine in ten overlap one, the same bf16 bytes once (backward
+  # reads what forward kept: no second gather), and the peak is no higher
+  # (experiments/stage3_bench.py: lower at 1.3B and 6.7B, N = 8 to 256).
   _, on = analysis.compile_gpt("h100", 8, 2, **_TINY)
   _, off = analysis.compile_gpt("h100", 8, 2, **_TINY,
                                 overrides={"prefetch": False})

@@ -82,8 +82,11 @@ class ZeroConfig:
     compute_dtype: dtype of forward/backward and of the communicated
       parameters (``"bfloat16"``, ``"float16"``; None: float32 throughout).
       Master parameters and optimizer state stay float32; at stages 1-2 a
-      replicated compute-dtype copy of the parameters is kept for forward
-      and refreshed by an all-gather in the compute dtype after each update.
+      compute-dtype copy of the parameters is kept for forward: replicated,
+      and refreshed by an all-gather in the compute dtype after each update
+      (stage 1; stage 2 with ``prefetch=False``, offload or accumulation);
+      at stage 2 by default (``prefetch``) there is none: forward gathers
+      the master's shards in the compute dtype, layer by layer.
     reduce_dtype: dtype gradients are summed in across devices. None (the
       default) sums in float32 whatever the compute dtype. A sharded
       leaf's 16-bit gradient still crosses in 16 bits: an all-to-all hands
@@ -184,15 +187,23 @@ class ZeroConfig:
       gathers into one collective), and reduces a layer's gradients as
       one collective, issued while the next layer is differentiated. The
       step is compiled with ``zero_jax.layers.PREFETCH_COMPILER_OPTIONS``
-      (two collectives in flight, a layer's gathers combined). ``"auto"``
-      (default): on wherever the layout allows it, stage 3 gathering from
-      the float32 master, ``remat="full"``, no Pa, hpZ or ``model`` axis,
-      more than one device (``Engine.describe`` says which), and a scan
-      asking for another remat runs without it. ``True``: asked for;
+      (two collectives in flight, a layer's gathers combined). At stage 2
+      with a ``compute_dtype``, the state on the device and one
+      micro-batch a step, no compute copy is kept between steps: forward
+      gathers the master's shards in the compute dtype (each scanned layer
+      one ahead; other parameters at first use) and keeps them for
+      backward (PyTorch FSDP's SHARD_GRAD_OP), instead of all-gathering a
+      replicated copy after the update with nothing to overlap. ``"auto"`` (default): on wherever the layout
+      allows it, stage 3 gathering from the float32 master or stage 2 as
+      above (with accumulation ``"auto"`` keeps the all-gather after the
+      update, once a step), ``remat="full"``, no Pa, hpZ or ``model``
+      axis, more than one device (``Engine.describe`` says which), and a
+      scan asking for another remat runs without it (at stage 2 it still
+      gathers in forward and keeps what it gathered). ``True``: asked for;
       refused with an error where it cannot be honoured. ``False``: off.
-      Exact: the same sums as without it. It holds the next layer's
-      parameters and the last layer's gradients besides (about two
-      layers' 16-bit parameters); see docs/usage.md.
+      Exact: the same sums as without it. At stage 3 it holds the next
+      layer's parameters and the last layer's gradients besides (about
+      two layers' 16-bit parameters); see docs/usage.md.
     hpz_partition_size: ZeRO++'s hpZ (DeepSpeed's
       ``zero_hpz_partition_size``), stage 3 only; 1 (default) is off. K >
       1: the devices of a mesh ``make_mesh(replica=R)`` whose ``data``

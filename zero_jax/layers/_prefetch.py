@@ -25,6 +25,12 @@ moved as well but held each layer twice: the gathered buffer and its
 leaves' copies; compiled for 8 H100s, the 1.3B GPT's peak was 6.11 GiB
 against 6.03 now.)
 
+At stage 2 (``Materializer.keep``) forward also saves each gathered layer
+for backward, which gathers nothing: each leaf's gradient is
+reduce-scattered as the layer's backward makes it, as a replicated copy's
+is (``_kept_backward``). That replaces stage 2's all-gather after the
+update, which has nothing to overlap, with these gathers in forward.
+
 The price is memory: the layer ahead and the gradients carried to the
 next iteration, about two layers' 16-bit parameters. Storing each layer's
 gradient shard in the 16-bit compute dtype until the update
@@ -83,16 +89,16 @@ def stored_dtype(shard: Any, compute: Any) -> Any:
 
 def grad_dtype(how: Any, shard: Any) -> Any:
   """The dtype a scanned layer's gradient shard waits in for the update:
-  ``stored_dtype`` for a layer gathered from its float32 shards
+  ``stored_dtype`` for a layer gathered from its float32 shards at stage 3
   (``Materialize.GATHER``); as the shard's otherwise (a stand-in whose
-  gradient goes to host memory under offload, or stage 2's, whose
-  replicated path sums in float32 too).
+  gradient goes to host memory under offload; stage 2's, ``keep``, which
+  stays float32 as its replicated copy's gradients do).
 
   Args:
     how: the leaf's ``Materializer``.
     shard: the shard's dtype.
   """
-  if how.kind is Materialize.GATHER:
+  if how.kind is Materialize.GATHER and not how.keep:
     return stored_dtype(shard, how.compute_dtype)
   return jnp.dtype(shard)
 
@@ -116,6 +122,37 @@ def _round_bwd(dtype, _, g):
 
 
 round_grad.defvjp(_round_fwd, _round_bwd)
+
+
+def _kept_backward(res, cotangent, apply, hows, store, acc, n):
+  """``prefetched_scan``'s backward where forward kept each gathered layer
+  (``Materializer.keep``, stage 2): nothing to gather; each leaf's gradient
+  is reduce-scattered as the layer's backward makes it
+  (``materialize.use_with_scattered_grad``), as the replicated copy's is,
+  so that no layer's gradients wait for the next iteration."""
+  inputs, kept, shards, floats, consts, fixed = res
+  d_out, d_ys = cotangent
+
+  def body(carry, xs):
+    d_h, acc = carry
+    i, h_in, fl, fx, d_y, kept_i = xs
+
+    def from_kept(h, sh, fl, c):
+      full = [materialize.use_with_scattered_grad(
+          lp, s, k, how.reduce_dtype, how.quantize)
+              for (how, lp), s, k in zip(hows, sh, kept_i)]
+      return apply(h, full, fl, c, fx)
+
+    _, pull = jax.vjp(from_kept, h_in, _index(shards, i), fl, consts)
+    d_in, d_shards, d_fl, d_consts = pull((d_h, d_y))
+    return (d_in, store(acc, d_shards, i)), (d_fl, d_consts)
+
+  (d_init, acc), (d_floats, d_consts) = jax.lax.scan(
+      body, (d_out, acc),
+      (jnp.arange(n), inputs, floats, fixed, d_ys, kept), reverse=True)
+  d_shards = [a.astype(sh.dtype) for a, sh in zip(acc, shards)]
+  d_consts = jax.tree.map(lambda d: jnp.sum(d, axis=0), d_consts)
+  return d_init, d_shards, d_floats, d_consts, [None] * len(fixed)
 
 
 def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
@@ -213,13 +250,16 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
       return [jax.lax.dynamic_update_index_in_dim(a, d.astype(a.dtype), j, 0)
               for a, d in zip(acc, d_shards)]
 
+    # Each layer's gradient shards, stored in ``grad_dtype``.
+    acc = [jnp.zeros_like(sh, grad_dtype(how, sh.dtype))
+           for sh, (how, _) in zip(shards, hows)]
+    if keep:
+      return _kept_backward(res, cotangent, apply, hows, store, acc, n)
+
     def body(carry, xs):
       d_h, current, pending, acc = carry
-      i, h_in, fl, fx, d_y, kept_i = xs
-      if keep:
-        current = kept_i
-      else:
-        behind = gather(shards, jnp.maximum(i - 1, 0))
+      i, h_in, fl, fx, d_y = xs
+      behind = gather(shards, jnp.maximum(i - 1, 0))
       # Layer i+1's gradients, made in the last iteration, are reduced
       # while layer i is differentiated. (In the first iteration, i = L-1,
       # pending is zeros, stored where layer L-1's gradients go next.)
@@ -228,8 +268,7 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
       _, pull = jax.vjp(lambda h, g, fl, c: apply(h, g, fl, c, fx),
                         h_in, current, fl, consts)
       d_in, d_gathered, d_fl, d_consts = pull((d_h, d_y))
-      return ((d_in, None if keep else behind, d_gathered, acc),
-              (d_fl, d_consts))
+      return (d_in, behind, d_gathered, acc), (d_fl, d_consts)
 
     # The last layer's gather and the zeros standing for the gradients of
     # a layer after it depend on nothing in forward, so XLA's scheduler
@@ -237,21 +276,13 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
     # through it; tied to the incoming cotangent, they wait for backward.
     d_out, last, zero = jax.lax.optimization_barrier(
         (d_out, _index(shards, n - 1), jnp.zeros((), jnp.float32)))
-    if keep:
-      like = _index(kept, n - 1)
-      current = None
-    else:
-      current = [how(lp, sh, src) for (how, lp), sh, src in
-                 zip(hows, last, _index(sources, n - 1))]
-      like = current
-    # Each layer's gradient shards, stored in ``grad_dtype``.
-    acc = [jnp.zeros_like(sh, grad_dtype(how, sh.dtype))
-           for sh, (how, _) in zip(shards, hows)]
+    current = [how(lp, sh, src) for (how, lp), sh, src in
+               zip(hows, last, _index(sources, n - 1))]
     pending = jax.tree.map(
-        lambda x: jnp.broadcast_to(zero.astype(x.dtype), x.shape), like)
+        lambda x: jnp.broadcast_to(zero.astype(x.dtype), x.shape), current)
     (d_init, _, pending, acc), (d_floats, d_consts) = jax.lax.scan(
         body, (d_out, current, pending, acc),
-        (steps, inputs, floats, fixed, d_ys, kept), reverse=True)
+        (steps, inputs, floats, fixed, d_ys), reverse=True)
     d_shards = [a.astype(sh.dtype) for a, sh in
                 zip(store(acc, reduce(pending, 0), 0), shards)]
     d_consts = jax.tree.map(lambda d: jnp.sum(d, axis=0), d_consts)

@@ -88,13 +88,12 @@ def _prefetches(prefetch: Prefetch, policy: Any, makers: list[Any]) -> bool:
         "(remat='full'), but this scan_layers call asks for another remat "
         "policy: drop its remat argument, or use prefetch=False.")
   for how in makers:
-    if (how is not None and how[0].kind is not Materialize.GATHER
-        and not how[0].keep):
+    if how is not None and how[0].kind is not Materialize.GATHER:
       raise ValueError(
           "ZeroConfig.prefetch gathers layers from their float32 shards "
-          "(stage 3) or from stage 2's compute copy, but this engine's "
-          f"layers come {how[0].kind.value!r} (a stage-3 compute copy or "
-          "host memory): use prefetch=False with that placement.")
+          f"(stage 3), but this engine's layers come {how[0].kind.value!r} "
+          "(a compute copy or host memory): use prefetch=False with that "
+          "placement.")
   return True
 
 

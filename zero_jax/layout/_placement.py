@@ -4,15 +4,16 @@ One object, decided once from the config: the train step lays out and
 updates the state by it, ``estimate_memory`` counts bytes by it, and
 ``Engine.describe()`` prints it. The rules:
 
-- the fp32 master is sharded at stage 3, and at stages 1-2 when forward
-  reads a separate compute-dtype copy; otherwise it is replicated (stage 0,
+- the fp32 master is sharded at stage 3, at stages 1-2 when forward
+  reads a separate compute-dtype copy, and at stage 2 when forward gathers
+  it (below); otherwise it is replicated (stage 0,
   and stages 1-2 in fp32, where the replicated compute copy *is* the
   master and each device updates the slice it owns);
 - a separate compute copy exists at stages 1-2 with a ``compute_dtype``
-  (replicated, refreshed by an all-gather after each update; at stage 2
-  with ``prefetch``, one micro-batch a step and the state on the device,
-  sharded, refreshed by a cast, and gathered layer by layer in forward),
-  and at stage 3 with a ``compute_dtype`` when the master is offloaded
+  (replicated, refreshed by an all-gather after each update; not at stage
+  2 with ``prefetch``, one micro-batch a step and the state on the device,
+  where forward gathers the master's shards in the compute dtype, layer by
+  layer, and keeps them for backward), and at stage 3 with a ``compute_dtype`` when the master is offloaded
   but the parameters are not (sharded, refreshed by a cast);
 - offload puts the optimizer state in pinned host memory, and the master
   too wherever forward does not read it (it reads the compute copy), or at
@@ -149,8 +150,8 @@ class Placement:
     compute_copy: the separate compute-dtype copy forward reads, or None.
     compute_memory: where the compute copy lives.
     gather_from: stage 3: what parameters are gathered from; stage 2:
-      ``COMPUTE`` where forward gathers the sharded compute copy
-      (``keeps_gathered``); None otherwise.
+      ``MASTER`` where forward gathers the master's shards in the compute
+      dtype (``keeps_gathered``); None otherwise.
     update: where the optimizer update runs.
     loss_scaling: float16 loss scaling is on.
     grads_on_host: stage 3 with offloaded, streamed state (or the update
@@ -228,15 +229,13 @@ class Placement:
             "the all-gather after the update runs once a step: use "
             "prefetch='auto' (off with accumulation) or False.")
       gathers_copy = False
-    if gathers_copy:
-      compute_copy = ComputeCopy.SHARDED
-    elif stage in (1, 2) and cd is not None:
+    if stage in (1, 2) and cd is not None and not gathers_copy:
       compute_copy = ComputeCopy.REPLICATED
     elif stage == 3 and cd is not None and offload_opt and not offload_params:
       compute_copy = ComputeCopy.SHARDED
     master_on_host = offload_params or (offload_opt and
                                         compute_copy is not None)
-    gather_from = GatherFrom.COMPUTE if gathers_copy else None
+    gather_from = GatherFrom.MASTER if gathers_copy else None
     if stage == 3:
       gather_from = (GatherFrom.HOST_MASTER if offload_params else
                      GatherFrom.COMPUTE if compute_copy else
@@ -244,7 +243,8 @@ class Placement:
     update = (UpdateKind.STREAMED if offload_opt or offload_params else
               UpdateKind.DEVICE)
     return cls(stage=stage, compute_dtype=cd, reduce_dtype=rd,
-               master_sharded=stage == 3 or compute_copy is not None,
+               master_sharded=(stage == 3 or compute_copy is not None
+                               or gathers_copy),
                master_memory=(Memory.PINNED_HOST if master_on_host else
                               Memory.DEVICE),
                opt_memory=(Memory.PINNED_HOST if offload_opt else
@@ -287,17 +287,18 @@ class Placement:
     if self.stage < 2:
       return Materialize.LOCAL
     if self.stage == 2:
-      return (Materialize.GATHER_FROM if self.keeps_gathered else
+      return (Materialize.GATHER if self.keeps_gathered else
               Materialize.SCATTER)
     return (Materialize.GATHER if self.gather_from is GatherFrom.MASTER else
             Materialize.GATHER_FROM)
 
   @property
   def keeps_gathered(self) -> bool:
-    """Stage 2 with a sharded compute copy (FSDP's SHARD_GRAD_OP): forward
-    gathers each layer of it at first use (one layer ahead in a prefetched
-    ``scan_layers``) and keeps it for backward, where the replicated copy
-    would be all-gathered after each update with nothing to overlap."""
+    """Stage 2 without a compute copy (FSDP's SHARD_GRAD_OP): forward
+    gathers each layer of the fp32 master's shards, cast to the compute
+    dtype, at first use (one layer ahead in a prefetched ``scan_layers``)
+    and keeps it for backward, where the replicated copy would be
+    all-gathered after each update with nothing to overlap."""
     return self.stage == 2 and self.gather_from is not None
 
   @property
@@ -357,8 +358,8 @@ class Placement:
       lines.append(f"stages 1-2: a replicated {dtype} copy for compute, "
                    "all-gathered after each update")
     elif self.keeps_gathered:
-      lines.append(f"stage 2: a sharded {dtype} copy for compute, refreshed "
-                   "after each update; forward gathers each layer of it "
+      lines.append(f"stage 2: no {dtype} copy between steps; forward "
+                   f"gathers each layer of the master's shards in {dtype} "
                    "and keeps it for backward (prefetch)")
     elif self.compute_copy is ComputeCopy.SHARDED:
       lines.append(f"stage 3: a sharded {dtype} copy on the device for "

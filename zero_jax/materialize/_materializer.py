@@ -49,9 +49,9 @@ class Materializer:
     grad_to_host: ``GATHER_FROM``: the gradient shard goes to host memory.
     quantize: ZeRO++'s quantized gathers (``GATHER``, ``GATHER_FROM``) and
       gradient reductions (all three).
-    keep: the full value is kept for backward (stage 2's gathered compute
-      copy, ``Placement.keeps_gathered``): named ``KEPT``, which remat
-      policies save.
+    keep: the full value is kept for backward (stage 2,
+      ``Placement.keeps_gathered``): named ``KEPT``, which remat policies
+      save.
   """
 
   kind: Materialize
@@ -120,7 +120,7 @@ def materialize_together(
         [hows[i][1] for i in idx], [args[i][0] for i in idx],
         mat.compute_dtype, mat.reduce_dtype)
     for i, x in zip(idx, full):
-      out[i] = x
+      out[i] = checkpoint_name(x, KEPT) if mat.keep else x
   return out
 
 

@@ -354,9 +354,9 @@ class Engine:
       lines.append(self.remat_reason or "remat auto: chosen when the step is "
                    "first compiled (engine.step or engine.step.lower)")
     if layout.prefetch is not Prefetch.OFF and pl.keeps_gathered:
-      lines.append(f"prefetch ({cfg.prefetch}): each scanned layer of the "
-                   "compute copy is gathered while the one before it runs, "
-                   "and kept for backward")
+      lines.append(f"prefetch ({cfg.prefetch}): each scanned layer is "
+                   "gathered while the one before it runs, and kept for "
+                   "backward")
     elif layout.prefetch is not Prefetch.OFF:
       lines.append(f"prefetch ({cfg.prefetch}): each scanned layer is "
                    "gathered while the one before it runs, forward and "

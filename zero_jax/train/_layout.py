@@ -176,14 +176,13 @@ def decide_prefetch(config: ZeroConfig, placement: Placement, mesh: Mesh,
   """``ZeroConfig.prefetch`` for this layout: asked for (the config has
   refused what it cannot honour), off, or, for ``"auto"``, on where it is
   built and measured: stage 3 gathering from the float32 master, or stage
-  2 gathering its compute copy (``Placement.keeps_gathered``), remat
+  2 gathering it and keeping it (``Placement.keeps_gathered``), remat
   ``full``, no Pa, hpZ or ``model`` axis, over more than one device."""
   if config.prefetch is True:
     return Prefetch.ON
   shape = dict(mesh.shape)
   if (config.prefetch == "auto"
-      and (placement.materialize is Materialize.GATHER
-           or placement.keeps_gathered)
+      and placement.materialize is Materialize.GATHER
       and remat is RematPolicy.FULL and not config.partition_activations
       and config.hpz_partition_size == 1 and shape.get(MODEL, 1) == 1
       and shape[DATA] * shape.get(REPLICA, 1) > 1):
