@@ -81,7 +81,7 @@ CONFIGS = {
     # Stage 2: the replicated bf16 copy all-gathered after the update
     # (prefetch off), and the default, which keeps that copy sharded and
     # gathers it one layer ahead in forward (FSDP's SHARD_GRAD_OP).
-    "stage 2, no prefetch": {"stage": 2, "prefetch": False},
+    "stage 2 (no prefetch)": {"stage": 2, "prefetch": False},
     "stage 2": {"stage": 2},
 }
 GPUS_PER_NODE = 8
