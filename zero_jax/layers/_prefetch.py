@@ -278,8 +278,10 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
         (d_out, _index(shards, n - 1), jnp.zeros((), jnp.float32)))
     current = [how(lp, sh, src) for (how, lp), sh, src in
                zip(hows, last, _index(sources, n - 1))]
-    pending = jax.tree.map(
-        lambda x: jnp.broadcast_to(zero.astype(x.dtype), x.shape), current)
+    # (zeros_like keeps the layer's type, device-varying over the mesh,
+    # which jax 0.12 checks; adding the barrier's zero makes them wait.)
+    pending = jax.tree.map(lambda x: jnp.zeros_like(x) + zero.astype(x.dtype),
+                           current)
     (d_init, _, pending, acc), (d_floats, d_consts) = jax.lax.scan(
         body, (d_out, current, pending, acc),
         (steps, inputs, floats, fixed, d_ys), reverse=True)

@@ -56,7 +56,7 @@ def kept_names(hows: Iterable[tuple[Any, Any]]) -> tuple[str, ...]:
   ``keep``) for a block made whole by these ``(Materializer, LeafPlan)``
   pairs: hpZ's secondary copy where any plan is hierarchical, so that
   backward gathers from it; the gathered parameters themselves where a
-  materializer keeps them (stage 2's compute copy), so that backward does
+  materializer keeps them (stage 2 gathering in forward), so that backward does
   not gather at all."""
   hows = list(hows)
   names = ((materialize.SECONDARY,) if any(lp.hierarchical for _, lp in hows)

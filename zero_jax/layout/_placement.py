@@ -103,10 +103,11 @@ class Materialize(enum.Enum):
   # Stages 0-1: the parameters are whole already; gradients are reduced
   # after backward.
   LOCAL = "local"
-  # Stage 2: the replicated copy is used, and its gradient reduce-scattered
-  # as backward makes it.
+  # Stage 2 with a replicated copy: it is used, and its gradient
+  # reduce-scattered as backward makes it.
   SCATTER = "scatter"
-  # Stage 3 from the fp32 master shards, differentiated themselves.
+  # Stage 3 from the fp32 master shards, differentiated themselves (and
+  # stage 2 gathering in forward, ``Placement.keeps_gathered``).
   GATHER = "gather"
   # Stage 3 from another copy (the sharded compute copy or host memory);
   # the gradient goes to a zero-valued stand-in of the shard.

@@ -89,10 +89,11 @@ class _Local:
 @dataclasses.dataclass(frozen=True)
 class _Sharded:
   """Stages 2-3: each sharded leaf's gradient arrives reduce-scattered as
-  backward makes it (``Placement.materialize``): stage 3 from the master
-  differentiates the shards themselves (the gather's transpose
-  reduce-scatters); stage 2, and stage 3 from another copy, zero-valued
-  stand-ins of each shard. Replicated leaves are differentiated in float32
+  backward makes it (``Placement.materialize``): stage 3 from the master,
+  and stage 2 gathering it in forward, differentiate the shards themselves
+  (the gather's transpose reduce-scatters); stage 2 with a replicated
+  copy, and stage 3 from another copy, zero-valued stand-ins of each
+  shard. Replicated leaves are differentiated in float32
   as themselves (the master, or with update_on="host", which leaves the
   master on the host, the compute copy widened) and all-reduced at the end.
   The methods are ``_Local``'s.
