@@ -8,7 +8,7 @@ no GPU needed), two ways:
 
 - zero_jax stage 3 (``analysis.compile_gpt``), once per entry of
   ``CONFIGS`` (name -> ``ZeroConfig`` overrides), and stage 2 beside it,
-  with and without its compute copy gathered in forward (prefetch);
+  with its replicated bf16 copy and gathering in forward (prefetch);
 - the MaxText-style GSPMD FSDP peer (``analysis.compile_gspmd_gpt``): one
   plain ``jax.jit`` of the same loss, gradient and optax update, with the
   same stage-3 layout of parameters and optimizer state and the
@@ -79,8 +79,9 @@ CONFIGS = {
     # ZeRO++'s hpZ over nodes of GPUS_PER_NODE (N > GPUS_PER_NODE only).
     "hpz": {"hpz_partition_size": 8},
     # Stage 2: the replicated bf16 copy all-gathered after the update
-    # (prefetch off), and the default, which keeps that copy sharded and
-    # gathers it one layer ahead in forward (FSDP's SHARD_GRAD_OP).
+    # (prefetch off), and the default, which keeps no copy and gathers the
+    # master's shards in bf16 one layer ahead in forward (FSDP's
+    # SHARD_GRAD_OP).
     "stage 2 (no prefetch)": {"stage": 2, "prefetch": False},
     "stage 2": {"stage": 2},
 }

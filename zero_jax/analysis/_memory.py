@@ -112,8 +112,9 @@ class Estimate:
   Attributes:
     params: every parameter copy kept between steps: the fp32 master, plus,
       at stages 1-2 with a 16-bit compute dtype, the replicated compute copy
-      (at stage 2 with ``ZeroConfig.prefetch``, sharded between steps but
-      gathered whole during the step: counted whole).
+      (at stage 2 with ``ZeroConfig.prefetch`` there is none between
+      steps, but forward gathers the parameters whole in that dtype and
+      backward reads them: counted as the replicated copy).
     grads: one step's gradients. In zero_jax they are live only during the
       step (a functional step keeps no gradient buffer), but they are live at
       the optimizer update; the paper counts them as a persistent buffer.
@@ -363,8 +364,9 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
   compute = {ComputeCopy.REPLICATED: full(cc), ComputeCopy.SHARDED: sharded(cc),
              None: 0.0}[pl.compute_copy]
   if pl.keeps_gathered:
-    # Stage 2 with prefetch: sharded between steps, but forward gathers it
-    # whole and backward reads it, as the replicated copy is held.
+    # Stage 2 with prefetch: no copy between steps, but forward gathers
+    # the parameters whole and backward reads them, as the replicated copy
+    # is held.
     compute = full(cc)
   opt_state = sharded(kb) if opt_sharded else full(kb)
   grads = sharded(grad_bytes) if grads_sharded else full(grad_bytes)

@@ -35,10 +35,10 @@ def check_combinations(config: Any) -> None:
       check_remat(config.remat, config.remat_names) is not RematPolicy.FULL
       or config.offload_params or config.partition_activations):
     raise ValueError(
-        f"ZeroConfig.prefetch gathers scanned layers one layer ahead, at "
-        f"stage 3, or at stage 2 from its 16-bit compute copy on the device,"
-        f" with remat='full' (got stage={config.stage}, compute_dtype="
-        f"{config.compute_dtype!r}, offload_optimizer="
+        "ZeroConfig.prefetch gathers scanned layers one layer ahead, at "
+        "stage 3, or at stage 2 with a 16-bit compute dtype and the state "
+        f"on the device, with remat='full' (got stage={config.stage}, "
+        f"compute_dtype={config.compute_dtype!r}, offload_optimizer="
         f"{config.offload_optimizer!r}, update_on={config.update_on!r}, "
         f"remat={check_remat(config.remat, config.remat_names).value!r}, "
         f"offload_params={config.offload_params!r}, "

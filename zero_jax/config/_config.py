@@ -193,9 +193,10 @@ class ZeroConfig:
       gathers the master's shards in the compute dtype (each scanned layer
       one ahead; other parameters at first use) and keeps them for
       backward (PyTorch FSDP's SHARD_GRAD_OP), instead of all-gathering a
-      replicated copy after the update with nothing to overlap. ``"auto"`` (default): on wherever the layout
-      allows it, stage 3 gathering from the float32 master or stage 2 as
-      above (with accumulation ``"auto"`` keeps the all-gather after the
+      replicated copy after the update with nothing to overlap.
+      ``"auto"`` (default): on wherever the layout allows it, stage 3
+      gathering from the float32 master or stage 2 as above (with
+      accumulation ``"auto"`` keeps the all-gather after the
       update, once a step), ``remat="full"``, no Pa, hpZ or ``model``
       axis, more than one device (``Engine.describe`` says which), and a
       scan asking for another remat runs without it (at stage 2 it still

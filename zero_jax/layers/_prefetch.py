@@ -161,7 +161,7 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
   """``scan_layers``'s loop (``remat="full"``) with each layer's gather
   issued one layer ahead, forward and backward.
 
-  Where the materializers keep what they gather (stage 2's compute copy,
+  Where the materializers keep what they gather (stage 2,
   ``Materializer.keep``), forward saves each gathered layer for backward,
   which then gathers nothing and only reduces.
 
@@ -169,7 +169,8 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
     f: the layer, ``f(carry, layer) -> (carry, y)``.
     init: the initial carry.
     scanned: per leaf of ``xs`` (flattened by ``treedef``): the stacked
-      array, or for a ZeRO parameter ``(shard, source)`` (stacked).
+      array, or for a ZeRO parameter ``(shard, None)`` (stacked; its
+      materializer gathers from the shard itself, ``Materialize.GATHER``).
     makers: per leaf: None, or ``(materializer, slice_plan)``.
     treedef: the structure of ``xs``.
 
@@ -185,17 +186,15 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
                            for kind in ("param", "float", "fixed"))
   hows = [m for m in makers if m is not None]
   keep = any(how.keep for how, _ in hows)
-  # What is differentiated (the shards, or their stand-ins), and what is
-  # gathered from when it is another copy (else None).
-  shards = [p for p, _ in params]
-  sources = [src for _, src in params]
+  # What is gathered, and differentiated: the shards themselves.
+  shards = [shard for shard, _ in params]
   n = jax.tree.leaves(scanned)[0].shape[0]
 
   def gather(shards, i):
     # Leaf by leaf, each into its own buffer (XLA combines the collectives;
     # see COMPILER_OPTIONS).
-    return [how(lp, sh, src) for (how, lp), sh, src in
-            zip(hows, _index(shards, i), _index(sources, i))]
+    return [how(lp, sh, None) for (how, lp), sh in
+            zip(hows, _index(shards, i))]
 
   def layer(gathered, floats, fixed):
     parts = {"param": iter(gathered), "float": iter(floats),
@@ -240,10 +239,9 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
     def reduce(d_gathered, j):
       # Layer j's weight gradients to its shards: the gather's transpose
       # (its primal result unused: XLA drops it).
-      sources_j = _index(sources, j)
       _, to_shards = jax.vjp(
           lambda sh: materialize.materialize_together(
-              hows, list(zip(sh, sources_j))), _index(shards, j))
+              hows, [(s, None) for s in sh]), _index(shards, j))
       return to_shards(d_gathered)[0]
 
     def store(acc, d_shards, j):
@@ -276,8 +274,7 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
     # through it; tied to the incoming cotangent, they wait for backward.
     d_out, last, zero = jax.lax.optimization_barrier(
         (d_out, _index(shards, n - 1), jnp.zeros((), jnp.float32)))
-    current = [how(lp, sh, src) for (how, lp), sh, src in
-               zip(hows, last, _index(sources, n - 1))]
+    current = [how(lp, sh, None) for (how, lp), sh in zip(hows, last)]
     # (zeros_like keeps the layer's type, device-varying over the mesh,
     # which jax 0.12 checks; adding the barrier's zero makes them wait.)
     pending = jax.tree.map(lambda x: jnp.zeros_like(x) + zero.astype(x.dtype),
@@ -291,5 +288,4 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
     return d_init, d_shards, d_floats, d_consts, [None] * len(fixed)
 
   run.defvjp(run_fwd, run_bwd)
-  # (The sources are read, not differentiated: closed over.)
   return run(init, shards, floats, list(consts), fixed)

@@ -13,8 +13,9 @@ updates the state by it, ``estimate_memory`` counts bytes by it, and
   (replicated, refreshed by an all-gather after each update; not at stage
   2 with ``prefetch``, one micro-batch a step and the state on the device,
   where forward gathers the master's shards in the compute dtype, layer by
-  layer, and keeps them for backward), and at stage 3 with a ``compute_dtype`` when the master is offloaded
-  but the parameters are not (sharded, refreshed by a cast);
+  layer, and keeps them for backward), and at stage 3 with a
+  ``compute_dtype`` when the master is offloaded but the parameters are
+  not (sharded, refreshed by a cast);
 - offload puts the optimizer state in pinned host memory, and the master
   too wherever forward does not read it (it reads the compute copy), or at
   stage 3 with ``offload_params`` (forward copies each layer's master
@@ -216,27 +217,27 @@ class Placement:
                  quantize=quantize,
                  grads_on_host=stage == 3 and grad_accum_steps == 1)
     compute_copy = None
-    # Stage 2 gathering its compute copy in forward (FSDP's
-    # SHARD_GRAD_OP): only where nothing streams the state, and once per
-    # step, where the post-update gather it replaces is.
-    gathers_copy = (stage == 2 and cd is not None and not offload_opt
+    # Stage 2 gathering the master's shards in forward instead of keeping
+    # a compute copy (FSDP's SHARD_GRAD_OP): only where nothing streams the
+    # state, and once per step, as the post-update gather it replaces.
+    gathers_master = (stage == 2 and cd is not None and not offload_opt
                     and config.prefetch is not False)
-    if gathers_copy and grad_accum_steps > 1:
+    if gathers_master and grad_accum_steps > 1:
       if config.prefetch is True:
         raise ValueError(
-            "ZeroConfig.prefetch at stage 2 gathers the compute copy in "
+            "ZeroConfig.prefetch at stage 2 gathers the parameters in "
             "forward, so each of the grad_accum_steps="
-            f"{grad_accum_steps} micro-batches would gather it again, where "
+            f"{grad_accum_steps} micro-batches would gather them again, where "
             "the all-gather after the update runs once a step: use "
             "prefetch='auto' (off with accumulation) or False.")
-      gathers_copy = False
-    if stage in (1, 2) and cd is not None and not gathers_copy:
+      gathers_master = False
+    if stage in (1, 2) and cd is not None and not gathers_master:
       compute_copy = ComputeCopy.REPLICATED
     elif stage == 3 and cd is not None and offload_opt and not offload_params:
       compute_copy = ComputeCopy.SHARDED
     master_on_host = offload_params or (offload_opt and
                                         compute_copy is not None)
-    gather_from = GatherFrom.MASTER if gathers_copy else None
+    gather_from = GatherFrom.MASTER if gathers_master else None
     if stage == 3:
       gather_from = (GatherFrom.HOST_MASTER if offload_params else
                      GatherFrom.COMPUTE if compute_copy else
@@ -245,7 +246,7 @@ class Placement:
               UpdateKind.DEVICE)
     return cls(stage=stage, compute_dtype=cd, reduce_dtype=rd,
                master_sharded=(stage == 3 or compute_copy is not None
-                               or gathers_copy),
+                               or gathers_master),
                master_memory=(Memory.PINNED_HOST if master_on_host else
                               Memory.DEVICE),
                opt_memory=(Memory.PINNED_HOST if offload_opt else
