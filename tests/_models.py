@@ -78,11 +78,11 @@ def awkward_batches(steps=5, batch=16, seed=0):
           for _ in range(steps)]
 
 
-def train_reference(loss_fn, tx, params, batches):
-  """Plain single-device optax training on the full global batches."""
-  dev = jax.devices()[0]
-  params = jax.device_put(params, dev)
-  opt_state = tx.init(params)
+def _train_jit(loss_fn, tx, params, batches, params_on, batch_on):
+  """Plain optax under ``jax.jit``, the parameters (and so the optimizer
+  state) placed on ``params_on``, each batch on ``batch_on``."""
+  params = jax.device_put(params, params_on)
+  opt_state = jax.device_put(tx.init(params), params_on)
 
   @jax.jit
   def step(p, o, b):
@@ -92,9 +92,16 @@ def train_reference(loss_fn, tx, params, batches):
 
   losses = []
   for b in batches:
-    params, opt_state, loss = step(params, opt_state, jax.device_put(b, dev))
+    params, opt_state, loss = step(params, opt_state,
+                                   jax.device_put(b, batch_on))
     losses.append(float(loss))
   return losses, params
+
+
+def train_reference(loss_fn, tx, params, batches):
+  """Plain single-device optax training on the full global batches."""
+  dev = jax.devices()[0]
+  return _train_jit(loss_fn, tx, params, batches, dev, dev)
 
 
 def run_steps(engine, state, batches):
@@ -128,6 +135,34 @@ def assert_matches(losses, params, ref_losses, ref_params, tol=1e-5):
   assert jax.tree.structure(params) == jax.tree.structure(ref_params)
   err = rel_err(params, ref_params)
   assert err <= tol, f"parameters differ from reference: rel err {err:.3g}"
+
+
+def train_plain_jit(loss_fn, tx, params, batches, mesh):
+  """Plain ``jax.jit`` (GSPMD) training on ``mesh``'s devices: each batch
+  split along its first dimension over every mesh axis, the parameters
+  replicated. The same sums as one device, in another order."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names)
+  return _train_jit(loss_fn, tx, params, batches, NamedSharding(auto, P()),
+                    NamedSharding(auto, P(tuple(auto.axis_names))))
+
+
+def reduction_floor(loss_fn, tx, params, batches, mesh, reference) -> float:
+  """How far plain ``jax.jit`` on ``mesh`` lands from single-device training
+  (``reference``, from ``train_reference``): the model's own floor for
+  results summed in another order, in ``assert_matches``' measure."""
+  losses, out = train_plain_jit(loss_fn, tx, params, batches, mesh)
+  ref_losses, ref_params = reference
+  loss_err = max(abs(l - r) / abs(r) for l, r in zip(losses, ref_losses))
+  return max(loss_err, rel_err(out, ref_params))
+
+
+def floor_tolerance(floor: float, multiple: float = 8.0) -> float:
+  """A small multiple of a measured reduction-order floor, never below
+  1e-5: a wrong gather or scatter moves values by the learning rate, far
+  beyond either."""
+  return max(1e-5, multiple * floor)
 
 
 @functools.cache

@@ -1,5 +1,6 @@
 """The public API behaves as a user of DeepSpeed or FSDP would expect."""
 
+import functools
 import importlib
 
 import flax.linen as nn
@@ -17,20 +18,6 @@ def _engine(stage=3, n=8, tx=None, **kw):
   return zj.Engine(m.mlp_loss, tx or optax.adam(1e-2),
                    zj.ZeroConfig(stage=stage, min_shard_elements=0),
                    zj.make_mesh(num_devices=n), **kw)
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_init_copies_params_so_one_tree_seeds_many_engines(stage):
-  params = m.mlp_params()
-  before = jax.tree.map(np.array, params)
-  batches = m.mlp_batches(3)
-  first = m.train_engine(_engine(stage), params, batches)
-  # The caller's arrays survived the donating steps, unchanged...
-  for k in params:
-    np.testing.assert_array_equal(np.asarray(params[k]), before[k])
-  # ...and seed a second engine to the same result.
-  second = m.train_engine(_engine(stage), params, batches)
-  assert first[0] == second[0]
 
 
 def test_params_already_on_the_mesh_are_copied_too():
@@ -154,8 +141,8 @@ class _LinenMLP(nn.Module):
     return nn.Dense(8)(x)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_flax_linen_params_plus_apply(stage):
+@functools.cache
+def _linen_reference():
   model = _LinenMLP()
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16)))["params"]
 
@@ -164,12 +151,25 @@ def test_flax_linen_params_plus_apply(stage):
 
   batches = m.mlp_batches(5)
   tx = optax.adamw(1e-2)
-  ref = m.train_reference(loss_fn, tx, params, batches)
-  engine = zj.Engine(loss_fn, tx,
-                     zj.ZeroConfig(stage=stage, min_shard_elements=0),
-                     zj.make_mesh(num_devices=8))
-  losses, out, _ = m.train_engine(engine, params, batches)
+  return loss_fn, tx, params, batches, m.train_reference(loss_fn, tx, params,
+                                                         batches)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_flax_linen_params_plus_apply_and_one_tree_seeds_many_engines(stage):
+  loss_fn, tx, params, batches, ref = _linen_reference()
+  before = jax.tree.map(np.array, params)
+  engine = lambda: zj.Engine(loss_fn, tx,
+                             zj.ZeroConfig(stage=stage, min_shard_elements=0),
+                             zj.make_mesh(num_devices=8))
+  losses, out, _ = m.train_engine(engine(), params, batches)
   m.assert_matches(losses, out, *ref)
+  # init copies the parameters: the caller's arrays survived the donating
+  # steps, unchanged...
+  for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(np.asarray(x), y)
+  # ...and seed a second engine to the same result.
+  assert m.train_engine(engine(), params, batches)[0] == losses
 
 
 def test_the_top_level_api_is_the_curated_list_and_nothing_else():

@@ -13,7 +13,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from tests._gpu import compiles_for_gpus
+from tests.analysis import _shared
 from zero_jax import analysis
 from zero_jax.analysis import (Estimate, bytes_by_memory_kind, comm_in_psi,
                                comm_volume, compiled_memory,
@@ -296,26 +296,15 @@ def test_comm_in_psi_counts_reduce_scatter_by_its_input():
 
 @pytest.fixture(scope="module")
 def gpt():
-  loss_fn, params, batches = m.gpt_setup(d_model=64, n_layers=2, seq_len=16,
-                                         batch=16, steps=1)
-  cache = {}
+  """``(params, batch, compiled)``: ``compiled(stage, replica=1,
+  compute_dtype=None)`` is ``_shared.step``'s (engine, state, compiled
+  step), AdamW on 8 devices (test_memory_hlo.py measures the same steps)."""
+  _, params, batch = _shared.gpt()
 
-  def compiled(stage, replica=1, **config):
-    key = (stage, replica, tuple(sorted(config.items())))
-    if key not in cache:
-      mesh = (zj.make_mesh(num_devices=N) if replica == 1 else
-              zj.make_mesh(num_devices=N, replica=replica))
-      # (Without prefetch, whose first and last layers are gathered and
-      # reduced twice: tests/layers/test_prefetch.py counts those.)
-      config.setdefault("prefetch", False)
-      engine = zj.Engine(loss_fn, optax.adamw(1e-3),
-                         zj.ZeroConfig(stage=stage, **config), mesh)
-      state = engine.init(params)
-      cache[key] = (engine, state,
-                    engine.step.lower(state, batches[0]).compile())
-    return cache[key]
+  def compiled(stage, replica=1, compute_dtype=None):
+    return _shared.step(stage, replica=replica, compute_dtype=compute_dtype)
 
-  return params, batches[0], compiled
+  return params, batch, compiled
 
 
 def _measured(engine, state, compiled, batch):
@@ -608,20 +597,3 @@ def test_cli_offload_rows(capsys):
   assert row("host (gradients)") == pytest.approx(4 * 13e9 / 2**30,
                                                   rel=1e-3)
   assert row("model states") == pytest.approx(2 * 13e9 / 2**30, rel=1e-3)
-
-
-@compiles_for_gpus
-def test_cli_compiles_with_model_parallelism(capsys):
-  # A tiny GPT on 8 compile-only H100s as data 4 x model 2:
-  # gpu_mesh("h100", 8, model=2).
-  assert main(["--compile", "h100", "--devices", "8", "--model-parallel", "2",
-               "--stage", "3", "--compute-dtype", "bf16", "--layers", "2",
-               "--hidden", "64", "--heads", "4", "--vocab", "64",
-               "--seq-len", "16", "--micro-batch", "2"]) == 0
-  out = capsys.readouterr().out
-  peak = [line for line in out.splitlines() if "peak" in line and
-          "compiled for 8 x h100 (data 4 x model 2)" in line]
-  assert len(peak) == 1 and "GiB" in peak[0]
-  assert "model parallel M = 2, sharded over N = 4" in out
-  # --micro-batch sequences per data-parallel rank: 2 x 4.
-  assert "global batch 8 x 16 tokens" in out

@@ -2,13 +2,20 @@
 
 No GPU is needed: the step is compiled for 8 (or 1) compile-only H100s, so
 these are the programs a GPU user runs. What they show that the CPU-compiled
-tests cannot: 16-bit collectives stay 16-bit, the GPU scheduler's placement
-of gathers, and host offload's memory spaces. The reference figures are a
-real H100 80GB's (jax 0.11.2, 2026-11-23).
+tests cannot: 16-bit collectives stay 16-bit (and ZeRO++'s quantized ones
+8-bit), the GPU scheduler's placement of gathers, and host offload's memory
+spaces. The reference figures are a real H100 80GB's (jax 0.11.2,
+2026-11-23).
+
+Programs compiled for GPUs are not kept by the persistent compilation
+cache, so each costs its full compile time every run: every step here is
+compiled once (``_gpt``, which the command line's tests go through too),
+and the tests that read the same step share it.
 """
 
 import functools
 import importlib.util
+import inspect
 import math
 import re
 
@@ -21,6 +28,7 @@ from tests import _models as m
 from tests._gpu import compiles_for_gpus
 from zero_jax import analysis
 from zero_jax import offload
+from zero_jax.analysis import _cli
 from zero_jax.analysis import compile_gpt, main
 from zero_jax.analysis import param_count
 
@@ -36,13 +44,34 @@ _1_3B = dict(layers=24, hidden=2048, heads=16, vocab=50304, seq_len=1024,
              micro_batch=16)
 
 
+_SIGNATURE = inspect.signature(compile_gpt)
+
+
+def _gpt(*args, **kwargs):
+  """``compile_gpt``, each distinct step compiled once in this file: the
+  same ``(engine, compiled)`` for the same arguments, however spelled
+  (defaults filled in). The command line's tests give it to ``main``."""
+  bound = _SIGNATURE.bind(*args, **kwargs)
+  bound.apply_defaults()
+  arguments = dict(bound.arguments)
+  arguments["overrides"] = tuple(sorted((arguments["overrides"] or
+                                         {}).items()))
+  return _compiled_gpt(tuple(sorted(arguments.items())))
+
+
+@functools.cache
+def _compiled_gpt(arguments):
+  kwargs = dict(arguments)
+  return compile_gpt(**{**kwargs, "overrides": dict(kwargs["overrides"])})
+
+
 # (Without prefetch, whose first and last layers are gathered and reduced
 # twice: tests/layers/test_prefetch.py counts its collectives.)
-@functools.cache
-def _tiny(stage, compute_dtype="bfloat16", layers=4):
-  return compile_gpt("h100", N, stage, compute_dtype=compute_dtype,
-                     overrides={"prefetch": False},
-                     **dict(_TINY, layers=layers))
+def _tiny(stage, compute_dtype="bfloat16", layers=4, overrides=None,
+          **options):
+  return _gpt("h100", N, stage, compute_dtype=compute_dtype,
+              overrides={"prefetch": False, **(overrides or {})},
+              **dict(_TINY, layers=layers), **options)
 
 
 def _sharded_elements(engine):
@@ -103,11 +132,45 @@ def test_gradients_cross_in_bf16_and_are_summed_in_fp32_on_the_shard(stage):
 
 def test_bf16_sums_are_a_bf16_reduce_scatter():
   engine, _ = _tiny(3)
-  c = compile_gpt("h100", N, 3, reduce_dtype="bfloat16",
-                  overrides={"prefetch": False}, **_TINY)[1]
+  _, c = _tiny(3, reduce_dtype="bfloat16")
   assert c.collectives[("reduce-scatter", "bf16")]["elements"] == (
       _sharded_elements(engine) // N)
   assert not any(kind == "all-to-all" for kind, _ in c.collectives)
+
+
+# ZeRO++'s quantized collectives: qwZ's parameter all-gathers move int8
+# blocks and their float32 scales, about half a bf16 gather's bytes; qgZ's
+# gradients cross as int8 blocks by an all-to-all, about a quarter of a
+# float32 reduce-scatter's. (A CPU-compiled step would show neither: it
+# upcasts narrow collectives.) Against the stage-3 step above.
+
+
+def test_qwz_gathers_int8_blocks_for_about_half_the_bf16_bytes():
+  _, plain = _tiny(3)
+  _, q = _tiny(3, overrides={"quantized_weights": True})
+  dtypes = {dt for kind, dt in q.collectives if kind == "all-gather"}
+  assert dtypes == {"s8", "f32"}, dtypes
+  # The same elements cross, int8 instead of bf16, plus a float32 scale
+  # per block of 256.
+  assert q.collectives[("all-gather", "s8")]["elements"] == (
+      plain.collectives[("all-gather", "bf16")]["elements"])
+  ratio = q.collective_bytes("all-gather") / plain.collective_bytes(
+      "all-gather")
+  assert 0.5 < ratio <= 0.55, ratio
+
+
+def test_qgz_sends_int8_gradient_blocks_for_a_quarter_of_fp32_bytes():
+  engine, q = _tiny(3, overrides={"quantized_gradients": True})
+  kinds = {(kind, dt) for kind, dt in q.collectives if kind in (
+      "all-to-all", "reduce-scatter")}
+  assert kinds == {("all-to-all", "s8"), ("all-to-all", "f32")}, kinds
+  # A float32 reduce-scatter of every sharded gradient moves 4 bytes an
+  # element.
+  fp32 = 4 * _sharded_elements(engine)
+  assert q.collectives[("all-to-all", "s8")]["elements"] == (
+      _sharded_elements(engine))
+  ratio = q.collective_bytes("all-to-all") / fp32
+  assert 0.25 < ratio <= 0.3, ratio
 
 
 def test_stage3_temp_grows_by_the_added_layers_shards_not_their_params():
@@ -126,48 +189,48 @@ def test_stage3_temp_grows_by_the_added_layers_shards_not_their_params():
 
 
 def test_reference_gpt_peak_matches_a_real_h100():
-  # (The 1.3B step is the one the offload tests compare with; a real H100
-  # also measured the 125M one, 6.8 GiB, which compiles to 6.83.)
-  _, c = _one_h100(**_1_3B)
+  # (A real H100 also measured the 125M step, 6.8 GiB, which compiles to
+  # 6.83.)
+  _, c = _gpt("h100", 1, 3, **_1_3B)
   assert c.memory.host == 0
   assert abs(c.memory.peak / GIB - 27.8) <= 0.05 * 27.8, c.memory.peak / GIB
-
-
-@functools.cache
-def _one_h100(offload_optimizer=False, offload_params=False, **shape):
-  return compile_gpt("h100", 1, 3, offload_optimizer=offload_optimizer,
-                     offload_params=offload_params, **shape)
-
-
-def test_offloaded_optimizer_state_is_compiled_into_host_memory():
-  _, c = _one_h100(offload_optimizer=True, **_1_3B)
-  entry = c.hlo.splitlines()[0]
-  # The entry layout puts the offloaded parameters in memory space 5 (host).
-  assert "entry_computation_layout" in entry and "S(5)" in entry
-  # fp32 master + two Adam moments (12 bytes a parameter) on the host, apart
-  # from the device figures, and the fp32 gradients of the streamed leaves
-  # (all but the small ones: measured 15.7 bytes a parameter in all).
-  assert 15 * c.params <= c.memory.host <= 16 * c.params
-  assert c.memory.argument < 0.3 * 12 * c.params
-  # The update streams the state through the device a slice at a time, and
-  # the gradient shards go to the host as backward makes them: the peak is
-  # at most 0.6x the peak without offload (measured 0.34x; the whole-state
-  # copy it replaced measured 30.7 GiB on a real H100, 1.1x).
-  _, plain = _one_h100(**_1_3B)
-  assert c.memory.peak <= 0.60 * plain.memory.peak, (
-      c.memory.peak / GIB, plain.memory.peak / GIB)
 
 
 # Model state dominates: 4 wide layers, short sequences, one device. The
 # slice budget is lowered so that these leaves are cut as a 1.3B model's are.
 _WIDE = dict(layers=4, hidden=1024, heads=8, vocab=1024, seq_len=32,
              micro_batch=1)
+_SLICE_BYTES = 4 << 20
 
 
 @functools.cache
-def _wide_plain():
-  """The wide shape without offload (shared)."""
-  return compile_gpt("h100", 1, 3, **_WIDE)[1]
+def _wide(**options):
+  """``compile_gpt`` of the wide shape on one H100 with the lowered slice
+  budget (which only the streamed update reads), once per options."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(offload, "SLICE_BYTES", _SLICE_BYTES)
+    return compile_gpt("h100", 1, 3, **_WIDE, **options)
+
+
+def test_offloaded_optimizer_state_is_compiled_into_host_memory():
+  _, c = _wide(offload_optimizer=True)
+  entry = c.hlo.splitlines()[0]
+  # The entry layout puts the offloaded parameters in memory space 5 (host).
+  assert "entry_computation_layout" in entry and "S(5)" in entry
+  # fp32 master + two Adam moments (12 bytes a parameter) on the host, apart
+  # from the device figures, and the fp32 gradients of the streamed leaves
+  # (all but the small ones: measured 15.99 bytes a parameter in all here,
+  # 15.7 at 1.3B).
+  assert 15 * c.params <= c.memory.host <= 16 * c.params
+  assert c.memory.argument < 0.3 * 12 * c.params
+  # The update streams the state through the device a slice at a time, and
+  # the gradient shards go to the host as backward makes them: the peak is
+  # at most 0.6x the peak without offload (measured 0.26x here and 0.34x at
+  # 1.3B; the whole-state copy it replaced measured 30.7 GiB on a real H100
+  # at 1.3B, 1.1x).
+  _, plain = _wide()
+  assert c.memory.peak <= 0.60 * plain.memory.peak, (
+      c.memory.peak / GIB, plain.memory.peak / GIB)
 
 
 _COPIES = (" copy-start(", " copy(", "dynamic-slice-start", " dynamic-slice(")
@@ -187,12 +250,10 @@ def _host_copies(hlo: str) -> list[tuple[str, str, int]]:
   return out
 
 
-def test_streamed_update_copies_one_slice_per_iteration(monkeypatch):
-  monkeypatch.setattr(offload, "SLICE_BYTES", 4 << 20)
-  plain = _wide_plain()
-  engine, opt = compile_gpt("h100", 1, 3, offload_optimizer=True, **_WIDE)
-  both_engine, both = compile_gpt("h100", 1, 3, offload_optimizer=True,
-                                 offload_params=True, **_WIDE)
+def test_streamed_update_copies_one_slice_per_iteration():
+  _, plain = _wide()
+  engine, opt = _wide(offload_optimizer=True)
+  both_engine, both = _wide(offload_optimizer=True, offload_params=True)
   assert opt.memory.peak <= 0.60 * plain.memory.peak
   assert both.memory.peak <= 0.40 * plain.memory.peak
   # Nothing runs on the host: XLA marks any computation it had to move
@@ -209,7 +270,7 @@ def test_streamed_update_copies_one_slice_per_iteration(monkeypatch):
     if "dynamic-slice" in line:
       assert comp in bodies or comp.startswith("wrapped"), (comp, line)
     else:
-      assert 4 * elements <= offload.SLICE_BYTES, line
+      assert 4 * elements <= _SLICE_BYTES, line
   cut = [k for k, _ in engine.layout.update.streamer.calls if k > 1]
   assert cut and min(cut) >= 4
   # PCIe per step: the streamed update reads master and both moments (12
@@ -239,9 +300,8 @@ def test_host_update_leaves_the_device_the_compute_copy():
   # the batch), writes the fp32 gradient shards to host memory as backward
   # makes them, and computes nothing on the host; master and moments never
   # enter it.
-  plain = _wide_plain()
-  engine, host = compile_gpt("h100", 1, 3, offload_optimizer=True,
-                             update_on="host", **_WIDE)
+  _, plain = _wide()
+  engine, host = _wide(offload_optimizer=True, update_on="host")
   assert host.memory.peak <= 0.40 * plain.memory.peak
   assert host.memory.argument <= 2.05 * host.params
   assert 3.95 * host.params <= host.memory.host <= 4.05 * host.params
@@ -260,8 +320,8 @@ def test_host_update_leaves_the_device_the_compute_copy():
   assert 5.95 <= host.transfer_bytes_per_param() <= 6.05
   # ZeRO-Offload's 4 bytes: with reduce_dtype bf16 the gradient shards go
   # down in bf16 (the reduce-scatter's own sums), and nothing else moves.
-  _, half = compile_gpt("h100", 1, 3, offload_optimizer=True,
-                        update_on="host", reduce_dtype="bfloat16", **_WIDE)
+  _, half = _wide(offload_optimizer=True, update_on="host",
+                  reduce_dtype="bfloat16")
   assert 1.95 * half.params <= half.transfers.to_host <= 2.05 * half.params
   assert half.transfers.to_device == 2 * half.params
   assert half.transfer_bytes_per_param() <= 4.05
@@ -311,7 +371,7 @@ def test_every_target_describes_its_gpu_and_an_a100_compiles():
                    "h200": "NVIDIA H200 141GB HBM3e",
                    "a100-80gb": "NVIDIA A100-SXM4-80GB"}
   # Another architecture (sm_80) than the H100s of the other tests.
-  _, c = compile_gpt("a100-80gb", 2, 3, **dict(_TINY, layers=2))
+  _, c = _gpt("a100-80gb", 2, 3, **dict(_TINY, layers=2))
   assert c.collective_bytes("all-gather") > 0 and c.memory.peak > 0
 
 
@@ -332,18 +392,29 @@ def test_unknown_target_and_missing_extra_name_the_fix(monkeypatch, capsys):
 
 
 def _cli_shape():
-  return ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "64",
+  return ["--layers", "4", "--hidden", "128", "--heads", "4", "--vocab", "64",
           "--seq-len", "16", "--micro-batch", "2"]
 
 
-def test_cli_prints_the_compiled_peak(capsys):
-  assert main(["--compile", "h100", "--devices", "8", "--stage", "3",
-               "--compute-dtype", "bf16", *_cli_shape()]) == 0
+def test_cli_prints_the_compiled_step(monkeypatch, capsys):
+  # _TINY on 8 compile-only H100s as data 4 x model 2
+  # (gpu_mesh("h100", 8, model=2)): the step the tensor-parallel test below
+  # compiles, compiled once for both (the command line calls compile_gpt).
+  monkeypatch.setattr(_cli, "compile_gpt", _gpt)
+  assert main(["--compile", "h100", "--devices", "8", "--model-parallel", "2",
+               "--stage", "3", "--compute-dtype", "bf16", "--attention",
+               "auto", *_cli_shape()]) == 0
   out = capsys.readouterr().out
   peak = [line for line in out.splitlines() if "peak" in line and
-          "compiled for 8 x h100" in line]
+          "compiled for 8 x h100 (data 4 x model 2)" in line]
   assert len(peak) == 1 and "GiB" in peak[0]
+  # The compiled step's own figures.
+  _, c = _gpt("h100", N, 3, model=2, attention="auto", **_TINY)
+  assert f"peak {c.memory.peak / GIB:.3f} GiB" in peak[0]
   assert "all-gather bf16" in out and "all-to-all bf16" in out
+  assert "model parallel M = 2, sharded over N = 4" in out
+  # --micro-batch sequences per data-parallel rank: 2 x 4.
+  assert "global batch 8 x 16 tokens" in out
 
 
 def test_tensor_parallel_collectives_run_along_their_axes():
@@ -351,7 +422,7 @@ def test_tensor_parallel_collectives_run_along_their_axes():
   # gradient all-to-alls run along 'data' on each model rank's bf16 slice,
   # the compiler's tensor-parallel collectives along 'model'.
   # (attention="auto": the einsum under tensor parallelism.)
-  engine, c = compile_gpt("h100", N, 3, model=2, attention="auto", **_TINY)
+  engine, c = _gpt("h100", N, 3, model=2, attention="auto", **_TINY)
   mesh = engine.mesh
   along = {}
   for op in analysis.collectives(c.hlo):

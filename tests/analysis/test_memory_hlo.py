@@ -1,63 +1,48 @@
-"""Per-device memory and collectives, measured from the compiled step."""
+"""Per-device memory and collectives, measured from the compiled step.
 
-import functools
+The steps (AdamW, 8 devices, the GPT of width 128: 4 layers, and 8 for the
+growth test) are ``_shared.step``'s, which test_estimate.py measures too.
+"""
+
 import math
 
-import optax
 import pytest
 
-import zero_jax as zj
-from tests import _models as m
+from tests.analysis import _shared
 from zero_jax import analysis
 from zero_jax.analysis import (compiled_memory, estimate_activations,
                                paper_model_state_bytes, param_count,
                                per_device_bytes)
 
-N = 8
-
-
-@pytest.fixture(scope="module")
-def gpt():
-  loss_fn, params, batches = m.gpt_setup(d_model=64, n_layers=2, seq_len=16,
-                                         batch=16, steps=1)
-  return loss_fn, params, batches[0]
-
-
-def _compile(gpt, stage):
-  loss_fn, params, batch = gpt
-  engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(stage=stage, prefetch=False),
-                     zj.make_mesh(num_devices=N))
-  state = engine.init(params)
-  compiled = engine.step.lower(state, batch).compile()
-  return engine, state, compiled
+N = _shared.N
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_state_bytes_within_paper_formula(gpt, stage):
-  _, params, batch = gpt
-  engine, state, compiled = _compile(gpt, stage)
+def test_state_bytes_within_paper_formula(stage):
+  _, params, batch = _shared.gpt()
+  engine, state, compiled = _shared.step(stage)
   psi = param_count(params)
   mem = compiled_memory(compiled)
   state_bytes = mem.argument - per_device_bytes(engine.shard_batch(batch))
   # What the compiled step takes as its state is what the state holds.
   assert state_bytes == per_device_bytes(state)
-  # fp32 training: 4-byte params and grads, K = 8 (Adam's two moments).
+  # fp32 training: 4-byte params and grads, K = 8 (AdamW's two moments).
   paper = paper_model_state_bytes(psi, N, stage, param_bytes=4, grad_bytes=4,
                                   k=8)
   assert state_bytes <= paper, (state_bytes, paper)
   # The state is donated: outputs reuse the inputs' buffers.
   assert mem.alias >= per_device_bytes(state.params)
   if stage == 3:
-    # Master shard + two Adam moment shards, plus the few small replicated
+    # Master shard + two AdamW moment shards, plus the few small replicated
     # leaves (LayerNorm vectors, biases below min_shard_elements).
     replicated = engine.param_plan.replicated_elements
     assert state_bytes <= 12 * psi / N + 12 * replicated + 64
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_gradients_are_reduce_scattered_not_all_reduced(gpt, stage):
-  _, params, _ = gpt
-  engine, _, compiled = _compile(gpt, stage)
+def test_gradients_are_reduce_scattered_not_all_reduced(stage):
+  _, params, _ = _shared.gpt()
+  engine, _, compiled = _shared.step(stage)
   psi = param_count(params)
   ops = analysis.summarize(compiled.as_text())
   all_reduce = ops.get("all-reduce", {}).get("elements", 0)
@@ -88,25 +73,20 @@ def test_gradients_are_reduce_scattered_not_all_reduced(gpt, stage):
     assert 2 * in_scan <= ops["all-gather"]["elements"] <= 2 * sharded
 
 
-@functools.cache
-def _measure(stage, n_layers, d_model=128):
-  loss_fn, params, batches = m.gpt_setup(d_model=d_model, n_layers=n_layers,
-                                         seq_len=16, batch=16, steps=1)
-  engine = zj.Engine(loss_fn, optax.adam(1e-3), zj.ZeroConfig(stage=stage, prefetch=False),
-                     zj.make_mesh(num_devices=N))
-  state = engine.init(params)
-  compiled = engine.step.lower(state, batches[0]).compile()
-  return param_count(params), compiled_memory(compiled)
+def _measure(stage, n_layers):
+  _, params, _ = _shared.gpt(n_layers)
+  return param_count(params), compiled_memory(
+      _shared.step(stage, n_layers)[2])
 
 
 @pytest.mark.parametrize("n_layers", [4, 8])
 def test_stage3_peak_within_state_plus_two_layers_plus_activations(n_layers):
-  # The issue's bound: 16 bytes/param over N (fp32 master + 2 Adam moments +
+  # The issue's bound: 16 bytes/param over N (fp32 master + 2 AdamW moments +
   # the gradient shard), plus the working set of two layers (their full fp32
   # parameters and gradients), plus activations (the estimate for per-layer
   # remat: saved layer inputs, one layer's working set, logits).
   d, seq, batch = 128, 16, 16
-  psi, mem = _measure(3, n_layers, d_model=d)
+  psi, mem = _measure(3, n_layers)
   layer = 12 * d * d + 13 * d
   acts = estimate_activations(layers=n_layers, hidden=d, seq_len=seq,
                               micro_batch=batch // N, heads=4, vocab=64,
@@ -117,7 +97,7 @@ def test_stage3_peak_within_state_plus_two_layers_plus_activations(n_layers):
 
 def test_stage3_peak_grows_only_by_the_added_layers_shards():
   # Same layer size, twice the layers: with per-layer gathering the peak
-  # grows by the added layers' state shards (master + 2 Adam moments) and
+  # grows by the added layers' state shards (master + 2 AdamW moments) and
   # gradient shards (16 bytes/param / N), plus each added layer's saved
   # input activation; not by their full parameters.
   psi_l, mem_l = _measure(3, 4)

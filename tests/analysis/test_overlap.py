@@ -5,7 +5,8 @@ The rule is checked on hand-written HLO (each form it reads) and on
 programs compiled for 8 H100s (no GPU needed): a gather with an
 independent matmul has it scheduled inside its window, one whose matmul
 needs it has none; the tiny GPT's stage-3 step accounts for every
-collective.
+collective. The GPT's steps (with and without prefetch, and the GSPMD peer)
+are each compiled once and read by every test that needs them.
 """
 
 import functools
@@ -259,20 +260,33 @@ def test_compiled_gathers_overlap_an_independent_matmul_only(independent):
   assert a.overlapped is independent, a
 
 
+# The GPT of the steps below: _TINY at the 1.3B GPT's depth (24 layers).
+_DEEP = {**_TINY, "layers": 24}
+
+
 @functools.cache
-def _tiny_gpt():
-  # The step without prefetch: each layer's gathers at the top of its
-  # iteration (the default prefetches; its collectives are counted in
-  # tests/layers/test_prefetch.py and below).
-  engine, zero = analysis.compile_gpt("h100", N, 3, **_TINY,
-                                      overrides={"prefetch": False})
-  state, gspmd = analysis.compile_gspmd_gpt("h100", N, **_TINY)
-  return engine, zero, state, gspmd
+def _zero(devices=N, prefetch=True):
+  """The stage-3 step of _DEEP for ``devices`` H100s, the default config
+  (which prefetches) or without prefetch (each layer's gathers at the top
+  of its iteration; tests/layers/test_prefetch.py counts the default's
+  collectives). Programs compiled for GPUs are not kept by the persistent
+  compilation cache: each is compiled once here, for every test that reads
+  it."""
+  return analysis.compile_gpt(
+      "h100", devices, 3, **_DEEP,
+      overrides=None if prefetch else {"prefetch": False})
+
+
+@functools.cache
+def _gspmd():
+  """The GSPMD FSDP peer of ``_zero()``: ``(state, compiled)``."""
+  return analysis.compile_gspmd_gpt("h100", N, **_DEEP)
 
 
 @compiles_for_gpus
 def test_every_collective_of_the_stage3_step_is_accounted_for():
-  _, zero, _, gspmd = _tiny_gpt()
+  _, zero = _zero(prefetch=False)
+  _, gspmd = _gspmd()
   for c in (zero, gspmd):
     counts = analysis.summarize(c.hlo)
     s = overlap_summary(c.hlo)
@@ -287,7 +301,7 @@ def test_every_collective_of_the_stage3_step_is_accounted_for():
   # weight-gradient gemms.
   layer = [a for a in overlap(zero.hlo) if a.executions > 1]
   gathers = [a for a in layer if a.kind == "all-gather"]
-  assert sum(a.executions for a in gathers) >= 2 * (_TINY["layers"] - 1)
+  assert sum(a.executions for a in gathers) >= 2 * (_DEEP["layers"] - 1)
   assert any(a.overlapped for a in layer if a.kind != "all-gather")
 
 
@@ -298,24 +312,21 @@ def test_stage3_peak_is_at_or_below_the_gspmd_peers():
   # parameters more, and stores every layer's gradient shard in bf16,
   # saving L/N layers' worth: 0.98x GSPMD's peak here, compiled for 8
   # H100s (experiments/stage3_bench.py: 0.95x at 1.3B, 0.99x at 6.7B).
-  shape = {**_TINY, "layers": 24}
-  _, zero = analysis.compile_gpt("h100", N, 3, **shape)
-  _, gspmd = analysis.compile_gspmd_gpt("h100", N, **shape)
+  _, zero = _zero()
+  _, gspmd = _gspmd()
   assert zero.memory.peak <= gspmd.memory.peak, (zero.memory, gspmd.memory)
 
 
 @compiles_for_gpus
 @pytest.mark.parametrize("n", [8, 64])
 def test_nine_in_ten_parameter_gathers_overlap_a_gemm_by_default(n):
-  # Issue 30's overlap goal at a small shape (12 layers): the default
+  # Issue 30's overlap goal at a small width (24 layers): the default
   # config prefetches, so each layer's gather runs beside the previous
   # layer's gemms in forward and backward, whatever N. Without prefetch
   # each gather waits at the top of its layer, and fewer overlap as N
   # grows (at 1.3B, 74% at N = 8 and 12% at 256).
-  shape = {**_TINY, "layers": 12}
-  _, default = analysis.compile_gpt("h100", n, 3, **shape)
-  _, plain = analysis.compile_gpt("h100", n, 3, **shape,
-                                  overrides={"prefetch": False})
+  _, default = _zero(n)
+  _, plain = _zero(n, prefetch=False)
   got = overlap_summary(default.hlo)["all-gather"]
   assert got.overlapped >= 0.9 * got.total, got
   without = overlap_summary(plain.hlo)["all-gather"]
@@ -324,9 +335,10 @@ def test_nine_in_ten_parameter_gathers_overlap_a_gemm_by_default(n):
 
 @compiles_for_gpus
 def test_gspmd_peer_holds_the_stage3_state_and_gathers_bf16():
-  engine, zero, state, gspmd = _tiny_gpt()
+  engine, zero = _zero()
+  state, gspmd = _gspmd()
   _, params = analysis.gpt_shapes(
-      **{k: _TINY[k] for k in ("layers", "hidden", "heads", "vocab",
+      **{k: _DEEP[k] for k in ("layers", "hidden", "heads", "vocab",
                                "seq_len")})
   fields = analysis.train_state_bytes(engine.abstract_state(params))
   assert analysis.per_device_bytes(state) == (fields["params"] +

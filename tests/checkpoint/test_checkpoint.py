@@ -1,5 +1,6 @@
 """Checkpoints restore into any stage, device count and offload setting."""
 
+import functools
 import json
 import os
 import re
@@ -27,7 +28,11 @@ BATCHES = m.mlp_batches(10)
 OFFLOAD = {"offload_optimizer": "host", "offload_params": "host"}
 
 
+@functools.cache
 def _engine(stage, devices=8, tx=TX, loss=m.mlp_loss, **overrides):
+  """One engine per configuration, shared by the tests that train or
+  restore with it (an engine holds no training state: its steps are traced
+  and compiled once in the file)."""
   config = zj.ZeroConfig(stage=stage, min_shard_elements=0, **overrides)
   return zj.Engine(loss, tx, config, zj.make_mesh(devices))
 

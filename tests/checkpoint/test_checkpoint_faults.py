@@ -4,6 +4,7 @@ process exits."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -23,7 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 EXIT_LIMIT_S = 60  # orbax's stuck threads would hold the exit for 300 s
 
 
+@functools.cache
 def _engine(tx: Any = None) -> zj.Engine:
+  """Stage 3 on 8 devices (AdamW unless ``tx``); one engine per optimizer
+  object, shared by the tests (it holds no training state)."""
   return zj.Engine(m.mlp_loss, tx or optax.adamw(1e-2),
                    zj.ZeroConfig(stage=3, min_shard_elements=0),
                    zj.make_mesh(8))

@@ -3,6 +3,7 @@ new history replaces the abandoned one, another run's directory is
 refused, every array's bytes are checked at restore, and a read-only mount
 restores."""
 
+import functools
 import os
 import shutil
 import subprocess
@@ -25,7 +26,10 @@ OTHER = m.mlp_batches(3, seed=7)  # (the settings a rollback changes)
 TIME_LIMIT_S = 240
 
 
+@functools.cache
 def _engine(stage=3, **overrides):
+  """One engine per configuration, shared by the tests (an engine holds no
+  training state: its steps are traced and compiled once in the file)."""
   config = zj.ZeroConfig(stage=stage, min_shard_elements=0, **overrides)
   return zj.Engine(m.mlp_loss, TX, config, zj.make_mesh(8))
 

@@ -12,12 +12,23 @@ Usage, from the repository root::
   ... tests/distributed/_launch_script.py rows
 
 ``train`` trains the MLP of tests/_models.py for 5 steps at every ZeRO stage,
-and at stage 3 on a 2-D mesh whose replica groups are the two processes (one
-run pays the process start-up once), each process feeding only its rows of
-every global batch. Process 0 writes ``OUT_DIR/result.npz``: per run (see
-``RUNS``) ``{run}/losses`` and ``{run}/{param}`` (the gathered parameters),
-plus whatever ``after_training`` returns; the stage 3 runs also save a
-checkpoint, ``OUT_DIR/ckpt_{run}``.
+and at stage 3 on a 2-D mesh whose replica groups are the two processes,
+then the NNX model of tests/_tp_models.py for 3 steps at stage 3 with
+tensor parallelism on ``make_mesh(model=2)``, (data 4, model 2): each
+process holds 2 data ranks x 2 model ranks (one run pays the process
+start-up once). Each process feeds only its rows of every global batch.
+Process 0 writes ``OUT_DIR/result.npz``: per MLP run (see ``RUNS``)
+``{run}/losses`` and ``{run}/{param}`` (the gathered parameters), plus
+whatever ``after_training`` returns; for the tensor-parallel run
+``tp/losses``, ``tp/param/{i}`` (the gathered parameters, flattened),
+``tp/paths`` (their key paths) and ``tp/rows`` (the rows each step fed
+here). The MLP's stage 3 runs also save a checkpoint,
+``OUT_DIR/ckpt_{run}``. Each process then prints ``process {i} done`` and
+goes on with ``rows`` (below), whose last step fails the job by design.
+
+``rows`` (alone, or after ``train``): two steps on each process's rows of
+the same global batches, the time of the batch check alone, then a step
+where process 1 feeds 4 rows and process 0 8, which both must refuse.
 """
 
 from __future__ import annotations
@@ -47,11 +58,16 @@ import optax  # noqa: E402
 import zero_jax as zj  # noqa: E402
 from tests import _models as m  # noqa: E402
 from zero_jax import _agreement  # noqa: E402
+from zero_jax.layout import DATA, MODEL  # noqa: E402
 
 # name: (stage, replica groups).
 RUNS = {"s0": (0, 1), "s1": (1, 1), "s2": (2, 1), "s3": (3, 1),
         "r2s3": (3, 2)}
 STEPS = 5
+# The tensor-parallel run's steps and optimizer (test_distributed.py trains
+# the same in one process).
+TP_STEPS = 3
+TP_TX = optax.adamw(1e-2, weight_decay=0.1)
 # Rounds of the batch check alone that "rows" times.
 CHECK_ROUNDS = 200
 
@@ -93,9 +109,46 @@ def train(out_dir: str) -> None:
       result[f"{run}/{k}"] = np.asarray(v)
     for k, v in after_training(run, engine, state, out_dir).items():
       result[f"{run}/{k}"] = np.asarray(v)
+  result.update({f"tp/{k}": v for k, v in train_tp().items()})
   if distributed.is_main_process():
     np.savez(os.path.join(out_dir, "result.npz"), **result)
   print(f"process {jax.process_index()} done", flush=True)
+  # (One start-up for both: test_distributed.py checks each.)
+  rows()
+
+
+def train_tp() -> dict[str, np.ndarray]:
+  """Stage 3 on (data 4, model 2) over both processes' devices: the losses,
+  the rows fed here, and the gathered parameters (flattened, with their
+  key paths)."""
+  # (Here: flax, which the other modes do not need.)
+  from tests import _tp_models as tpm  # pylint: disable=g-import-not-at-top
+  engine = zj.Engine(tpm.nnx_loss, TP_TX,
+                     zj.ZeroConfig(stage=3, min_shard_elements=0),
+                     zj.make_mesh(model=2))
+  mesh = engine.mesh
+  assert dict(mesh.shape) == {DATA: 4, MODEL: 2}, mesh.shape
+  # Model innermost: this process's 4 devices are 2 whole data ranks (rows
+  # of the mesh) x the 2 model ranks.
+  me = jax.process_index()
+  rows = mesh.devices[2 * me:2 * me + 2]
+  assert {d.process_index for d in rows.flat} == {me}, mesh.devices
+  state = engine.init(tpm.nnx_init())
+  # ZeRO over 'data' and the model's own split over 'model', both real.
+  specs = [str(x.sharding.spec) for x in jax.tree.leaves(state.params)]
+  assert any(DATA in s and MODEL in s for s in specs), specs
+  losses, fed = [], []
+  for batch in tpm.tp_batches(TP_STEPS):
+    local = distributed.local_batch(batch, mesh)
+    fed.append(local["tokens"].shape[0])
+    state, metrics = engine.step(state, local)
+    losses.append(float(metrics["loss"]))
+  flat = jax.tree_util.tree_flatten_with_path(engine.gather_params(state))[0]
+  result = {"losses": np.array(losses), "rows": np.array(fed),
+            "paths": np.array([jax.tree_util.keystr(p) for p, _ in flat])}
+  for i, (_, v) in enumerate(flat):
+    result[f"param/{i}"] = np.asarray(v)
+  return result
 
 
 def loop(out_dir: str) -> None:

@@ -2,7 +2,10 @@
 
 The launcher tests run plain Python children (fast); the rest start real
 two-process JAX runs (4 CPU devices each, collectives over gloo) running
-tests/distributed/_launch_script.py.
+tests/distributed/_launch_script.py. One launched run (the ``launched`` fixture)
+trains every stage and the tensor-parallel model, each checked against one
+process by its own test, and ends feeding the processes different rows,
+which both refuse (test_processes_that_feed_different_rows_both_fail_...).
 """
 
 import os
@@ -19,6 +22,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
+from tests import _tp_models as tpm
 from zero_jax.distributed import _runtime as distributed
 from zero_jax.distributed import _failfast as failfast
 from zero_jax.distributed import _launcher as launch
@@ -322,15 +326,34 @@ def test_launcher_argument_errors(capsys):
 # ------------------------------------------- two real JAX processes
 
 
-def test_two_processes_match_one_at_every_stage(tmp_path):
-  """2 processes x 4 devices, launched, equal 1 process x 8 devices: every
-  stage, and stage 3 with the processes as replica groups."""
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+  """The launched ``train`` run of _launch_script.py: its directory (the
+  results and the checkpoints), exit status and output (stdout and stderr
+  together, as the launcher prefixed them)."""
+  out = tmp_path_factory.mktemp("train")
   proc = subprocess.run(
       [sys.executable, "-m", "zero_jax.launch", "--nproc", "2",
-       "--devices-per-proc", "4", SCRIPT, "train", str(tmp_path)],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-  result = np.load(tmp_path / "result.npz")
+       "--devices-per-proc", "4", SCRIPT, "train", str(out)],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      timeout=300)
+  return out, proc.returncode, proc.stdout
+
+
+@pytest.fixture
+def two_processes(launched):
+  """The run's directory, once both processes have trained (the job then
+  fails by design: test_processes_that_feed_different_rows_both_fail_...)."""
+  out, _, log = launched
+  assert "[0] process 0 done" in log, log[-5000:]
+  assert "[1] process 1 done" in log, log[-5000:]
+  return out
+
+
+def test_two_processes_match_one_at_every_stage(two_processes):
+  """2 processes x 4 devices, launched, equal 1 process x 8 devices: every
+  stage, and stage 3 with the processes as replica groups."""
+  result = np.load(two_processes / "result.npz")
 
   ref_losses, ref_params = m.train_reference(
       m.mlp_loss, optax.adamw(1e-2), m.mlp_params(), m.mlp_batches(5))
@@ -356,12 +379,64 @@ def test_two_processes_match_one_at_every_stage(tmp_path):
     engine = zj.Engine(m.mlp_loss, optax.adamw(1e-2),
                        zj.ZeroConfig(stage=1, min_shard_elements=0),
                        zj.make_mesh())
-    with zj.Checkpointer(tmp_path / f"ckpt_{run}") as ckpt:
+    with zj.Checkpointer(two_processes / f"ckpt_{run}") as ckpt:
       state = ckpt.restore(engine, m.mlp_params())
     assert int(state.step) == 5
     state, losses = m.run_steps(engine, state, ten[5:])
     m.assert_matches(list(result[f"{run}/losses"]) + losses,
                      engine.gather_params(state), ref_losses, ref_params)
+
+
+def test_two_processes_on_data_x_model_match_one(two_processes):
+  """ZeRO with tensor parallelism across processes: stage 3 on (data 4,
+  model 2), 2 data x 2 model ranks per process, equals one process and
+  single-device optax. (Was tests/distributed/test_tp_multiprocess.py,
+  with its own launch.)"""
+  result = np.load(two_processes / "result.npz")
+  steps = 3  # _launch_script.TP_STEPS (the script starts JAX's
+  # distributed runtime as it is imported, so it is not imported here)
+  tx = optax.adamw(1e-2, weight_decay=0.1)  # _launch_script.TP_TX
+  # Each process fed its half of every global batch of 16.
+  np.testing.assert_array_equal(result["tp/rows"], [8] * steps)
+
+  batches = tpm.tp_batches(steps)
+  ref_losses, ref_params = m.train_reference(tpm.nnx_loss, tx,
+                                             tpm.nnx_init(), batches)
+  # The same engine in this one process, on its 8 devices.
+  engine = zj.Engine(tpm.nnx_loss, tx,
+                     zj.ZeroConfig(stage=3, min_shard_elements=0),
+                     zj.make_mesh(model=2))
+  losses, params, _ = m.train_engine(engine, tpm.nnx_init(), batches)
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  assert list(result["tp/paths"]) == [jax.tree_util.keystr(p)
+                                      for p, _ in flat]
+  got = jax.tree.unflatten(jax.tree.structure(params),
+                           [result[f"tp/param/{i}"]
+                            for i in range(len(flat))])
+  got_losses = list(result["tp/losses"])
+  m.assert_matches(got_losses, got, losses, params, tol=1e-6)
+  m.assert_matches(got_losses, got, ref_losses, ref_params)
+
+
+def test_processes_that_feed_different_rows_both_fail_naming_them(launched):
+  """Two steps on agreeing batches, then process 1 feeds 4 rows and process
+  0 8. Without the check, one process's rows would weigh double and the job
+  exit 0; with it, both processes raise, each naming what both fed. (The
+  end of the launched run above; was test_agreement.py's, with its own
+  launch.)"""
+  _, rc, out = launched
+  assert rc != 0, out[-5000:]
+  lines = out.splitlines()
+  for i in range(2):
+    assert any(l.startswith(f"[{i}] process {i} took 2 steps")
+               for l in lines), out[-5000:]
+    assert any(l.startswith(f"[{i}] ValueError: the processes fed different "
+                            "batches to this step: process 0 fed 8 rows, "
+                            "process 1 fed 4 rows.") for l in lines), \
+        out[-5000:]
+  assert "trained on disagreeing batches" not in out
+  # (Shown with pytest -s: what the check adds to every step.)
+  print("\n" + "\n".join(l for l in lines if "the batch check costs" in l))
 
 
 def _start_pair(mode, out_dir):

@@ -4,6 +4,7 @@ and single-device optax (stages 0-3, bf16 and fp16 compute, clipping,
 accumulation, delay_update; the devices' own CPU devices or others as the
 host's), and its checkpoints restore and export."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -42,6 +43,32 @@ def two_processes(tmp_path_factory):
   return out
 
 
+def _engine(name):
+  """The case's engine in this one process: the first 2 or 4 devices per
+  process of the 2 are 4 or 8 devices here, with the host's update split
+  over the other 4 (or all 8) CPU devices."""
+  opt, per_process, fields = CASES[name]
+  return zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](), zj.ZeroConfig(
+      offload_optimizer="host", update_on="host", min_shard_elements=0,
+      **fields), zj.make_mesh(num_devices=2 * per_process))
+
+
+@functools.cache
+def _one_process(name):
+  """The case trained in this one process: the losses and parameters after
+  ``STEPS`` steps, and (for the saved cases) the parameters after one more
+  step, all from one engine."""
+  engine = _engine(name)
+  batches = m.mlp_batches(STEPS + 1)
+  losses, params, state = m.train_engine(engine, m.mlp_params(),
+                                         batches[:STEPS])
+  more = None
+  if name in SAVED:
+    state, _ = m.run_steps(engine, state, batches[STEPS:])
+    more = engine.gather_params(state)
+  return losses, params, more
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_processes_match_one(two_processes, name):
   opt, per_process, fields = CASES[name]
@@ -49,13 +76,8 @@ def test_two_processes_match_one(two_processes, name):
   result = np.load(two_processes / f"{name}.npz")
   batches = m.mlp_batches(STEPS)
   if 2 * per_process <= 8:
-    # The same in this one process: the first 2 or 4 devices per process
-    # of the 2 are 4 or 8 devices here, with the host's update split over
-    # the other 4 (or all 8) CPU devices.
-    engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](), zj.ZeroConfig(
-        offload_optimizer="host", update_on="host", min_shard_elements=0,
-        **fields), zj.make_mesh(num_devices=2 * per_process))
-    losses, params, _ = m.train_engine(engine, m.mlp_params(), batches)
+    # The same in this one process.
+    losses, params, _ = _one_process(name)
     got = {k: result[f"param/{k}"] for k in params}
     # Elementwise the same update; only the order of a norm's sums differs.
     m.assert_matches(list(result["losses"]), got, losses, params, tol=1e-6)
@@ -80,14 +102,9 @@ def test_a_restored_run_steps_on_and_exports(two_processes, name):
   """The worker saved after 3 steps, restored into a new engine, checked
   that a 4th step from each is the same, and exported the restored run's
   parameters (each process its shards): they are one process's after 4
-  steps."""
-  opt, per_process, fields = CASES[name]
+  steps (the engine of test_two_processes_match_one, one step on)."""
   assert (two_processes / f"ckpt_{name}").is_dir()
   exported = ocp.StandardCheckpointer().restore(
       str(two_processes / f"export_{name}"))
-  engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](), zj.ZeroConfig(
-      offload_optimizer="host", update_on="host", min_shard_elements=0,
-      **fields), zj.make_mesh(num_devices=2 * per_process))
-  _, params, _ = m.train_engine(engine, m.mlp_params(),
-                                m.mlp_batches(STEPS + 1))
+  _, _, params = _one_process(name)
   assert m.rel_err(exported, params) <= 1e-6

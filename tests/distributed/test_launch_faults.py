@@ -2,7 +2,11 @@
 
 The end-to-end tests launch two real JAX processes (1 CPU device each,
 collectives over gloo) running tests/distributed/_fault_script.py, each
-under a time limit, so that a regression fails instead of hanging.
+under a time limit, so that a regression fails instead of hanging. The
+watchdog's jobs start with the module (``background``) and are checked by
+their tests later: the seconds without a step that a watchdog waits for,
+which their processes spend blocked or asleep, pass while the other tests
+run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import pytest
 
@@ -46,6 +51,98 @@ def _faulty(mode: str, *options: str,
                  mode, timeout=timeout)
 
 
+class _Background:
+  """A launcher run in the background: its output line by line as it comes,
+  then its exit status and duration (start-up included)."""
+
+  def __init__(self, *args: str):
+    self.t0 = time.monotonic()
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "zero_jax.launch", *args], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.lines: list[str] = []
+    self.elapsed: float | None = None
+    self.changed = threading.Condition()
+    self.reader = threading.Thread(target=self._read, daemon=True)
+    self.reader.start()
+
+  def _read(self) -> None:
+    for line in self.proc.stdout:
+      with self.changed:
+        self.lines.append(line)
+        self.changed.notify_all()
+    self.proc.wait()
+    with self.changed:
+      self.elapsed = time.monotonic() - self.t0
+      self.changed.notify_all()
+
+  def wait_for(self, *texts: str, timeout: float) -> None:
+    """Until every text is in the output, or the run ended."""
+    with self.changed:
+      self.changed.wait_for(
+          lambda: self.elapsed is not None or all(
+              any(t in l for l in self.lines) for t in texts), timeout)
+
+  def result(self, timeout: float) -> tuple[int, str, float]:
+    """The exit status, output and duration, as ``_launch`` returns them;
+    fails (killing the run) if it has not ended within ``timeout``."""
+    self.reader.join(timeout)
+    if self.reader.is_alive():
+      self.proc.kill()
+      pytest.fail("the launcher did not end: " + "".join(self.lines)[-5000:])
+    return self.proc.returncode, "".join(self.lines), self.elapsed
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()  # (its processes die with it: _spawn.tied_command)
+    self.reader.join(30)
+
+
+_SLEEPY = textwrap.dedent("""
+    import sys, time
+    def sleepy_here():
+      time.sleep(60)
+    loaded = sorted(m for m in sys.modules if m.startswith("zero_jax"))
+    print("zero_jax modules:", loaded, flush=True)
+    sleepy_here()
+    """)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background(request, tmp_path_factory):
+  """The watchdog's jobs, started before the module's other tests, which
+  run while the watchdogs wait (only the jobs whose tests are selected):
+
+  - "hang": ``test_watchdog_prints_the_stacks_and_ends_a_hung_job``'s. Its
+    processes start alone (the watchdog's limit covers start-up); once
+    both have taken their steps and stopped, the other tests run while
+    the watchdog waits out its 20 s.
+  - "sleepy": ``test_watchdog_prints_the_stack_of_a_script_without_
+    zero_jax``'s, two plain processes (no JAX) that print and sleep.
+  """
+  selected = {item.name for item in request.session.items
+              if item.module is request.module}
+  jobs = {}
+  if "test_watchdog_prints_the_stacks_and_ends_a_hung_job" in selected:
+    jobs["hang"] = _Background("--nproc", "2", "--devices-per-proc", "1",
+                               "--watchdog", "20", SCRIPT, "hang")
+    jobs["hang"].wait_for("[0] process 0 took 3 steps",
+                          "[1] process 1 took 3 steps", timeout=90)
+  if ("test_watchdog_prints_the_stack_of_a_script_without_zero_jax" in
+      selected):
+    script = tmp_path_factory.mktemp("sleepy") / "sleepy.py"
+    script.write_text(_SLEEPY)
+    jobs["sleepy"] = _Background("--nproc", "2", "--watchdog", "3",
+                                 str(script))
+    # (Its 3 s cover start-up: the next tests' JAX processes start once
+    # both are asleep, as the test alone would have them.)
+    jobs["sleepy"].wait_for("[0] zero_jax modules:",
+                            "[1] zero_jax modules:", timeout=30)
+  yield jobs
+  for job in jobs.values():
+    job.stop()
+
+
 # ------------------------------------------------- two real JAX processes
 
 
@@ -73,42 +170,15 @@ def test_killed_process_gives_128_plus_the_signal():
   assert elapsed < 30, out[-5000:]
 
 
-def test_watchdog_prints_the_stacks_and_ends_a_hung_job():
-  """Process 1 hangs after 3 steps; process 0 waits in the next collective.
-  Neither JAX nor fail_fast notices (both are alive); the watchdog does."""
-  rc, out, elapsed = _faulty("hang", "--watchdog", "20", timeout=90)
-  print(f"\nprocess 1 hung: launcher exited {rc} after {elapsed:.1f} s, "
-        "start-up included")
-  assert rc == launch.WATCHDOG_EXIT_CODE, out[-5000:]
-  assert "watchdog: no training step in 20 s" in out
-  lines = out.splitlines()
-  # faulthandler's dumps, in each process's stderr: where process 1 hangs,
-  # and the collective process 0 waits in.
-  assert any(l.startswith("[1] ") and "in hang_here" in l for l in lines), \
-      out[-5000:]
-  assert any(l.startswith("[0] ") and "_fault_script.py" in l and
-             "in step" in l for l in lines), out[-5000:]
-  assert elapsed < 60, out[-5000:]
-
-
 # ----------------------------------------------------- plain processes
 
 
-def test_watchdog_prints_the_stack_of_a_script_without_zero_jax(tmp_path):
+def test_watchdog_prints_the_stack_of_a_script_without_zero_jax(background):
   """A script that never imports zero_jax (nor reports a step) still has
   its stack dump: the launcher's runner registers it before the script
-  starts. The watchdog prints where each process hangs and ends the job."""
-  script = tmp_path / "sleepy.py"
-  script.write_text(textwrap.dedent("""
-      import sys, time
-      def sleepy_here():
-        time.sleep(60)
-      loaded = sorted(m for m in sys.modules if m.startswith("zero_jax"))
-      print("zero_jax modules:", loaded, flush=True)
-      sleepy_here()
-      """))
-  rc, out, elapsed = _launch("--nproc", "2", "--watchdog", "3",
-                             str(script), timeout=40)
+  starts. The watchdog prints where each process hangs and ends the job.
+  (The job ran in the background since the module started: ``_SLEEPY``.)"""
+  rc, out, elapsed = background["sleepy"].result(timeout=40)
   assert rc == launch.WATCHDOG_EXIT_CODE, out
   lines = out.splitlines()
   for i in range(2):
@@ -193,16 +263,38 @@ def test_launcher_refuses_numbers_it_cannot_act_on(capsys, argv, message):
   assert message in capsys.readouterr().err
 
 
-def test_processes_that_fail_together_fail_the_job(capfd):
-  """Both processes exit 3 at the same moment, within one of the
-  launcher's looks (every 50 ms): the job still fails with code 3."""
-  at = time.time() + 1.5  # (after both have started)
-  command = [sys.executable, "-c", "import sys, time; "
-             "time.sleep(max(0.0, float(sys.argv[1]) - time.time())); "
-             "sys.exit(3)", repr(at)]
+def test_processes_that_fail_together_fail_the_job(capfd, tmp_path,
+                                                   monkeypatch):
+  """Both processes exit 3 between two of the launcher's looks (every 50
+  ms), so that it sees no failure until every process has ended: the job
+  still fails with code 3.
+
+  Made certain, not timed: both processes wait for a file that the
+  launcher's first pause (after a look that found both running) creates,
+  and that pause lasts until both have exited. (A shared wall-clock moment
+  failed under load: one process, late to start, was still running at the
+  next look and got the SIGTERM, 143.)"""
+  go = tmp_path / "go"
+  command = [sys.executable, "-c", "import os, sys, time\n"
+             "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+             "sys.exit(3)", str(go)]
   launcher = launch._Launcher(command, 2, None, spawn.free_port(), 30.0)
+  pauses = []
+
+  def pause(seconds):
+    pauses.append(seconds)
+    go.touch()
+    deadline = time.monotonic() + 60
+    while len(launcher.exits) < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+
+  # (The launcher's own module reference: nothing else's sleep changes.)
+  monkeypatch.setattr(launch, "time", types.SimpleNamespace(
+      monotonic=time.monotonic, sleep=pause))
   assert launcher.run() == 3
   assert sorted(launcher.exits) == [(0, 3), (1, 3)]
+  # One pause: the look after it found both exited, as one event.
+  assert pauses == [0.05]
   capfd.readouterr()
 
 
@@ -450,3 +542,29 @@ def test_fail_fast_publishes_the_exit_code():
       "process 1 failed with E: x"
   assert failfast._parse_abort("process 1 failed with E: x") == (
       1, "process 1 failed with E: x")
+
+
+# --------------------------------------- the hung job, started with the module
+
+
+def test_watchdog_prints_the_stacks_and_ends_a_hung_job(background):
+  """Process 1 hangs after 3 steps; process 0 waits in the next collective.
+  Neither JAX nor fail_fast notices (both are alive); the watchdog does.
+  (The job ran in the background since the module started.)"""
+  rc, out, elapsed = background["hang"].result(timeout=90)
+  print(f"\nprocess 1 hung: launcher exited {rc} after {elapsed:.1f} s, "
+        "start-up included")
+  assert rc == launch.WATCHDOG_EXIT_CODE, out[-5000:]
+  assert "watchdog: no training step in 20 s" in out
+  lines = out.splitlines()
+  # Both took their steps before the watchdog fired (start-up was within
+  # its limit).
+  for i in range(2):
+    assert f"[{i}] process {i} took 3 steps" in lines, out[-5000:]
+  # faulthandler's dumps, in each process's stderr: where process 1 hangs,
+  # and the collective process 0 waits in.
+  assert any(l.startswith("[1] ") and "in hang_here" in l for l in lines), \
+      out[-5000:]
+  assert any(l.startswith("[0] ") and "_fault_script.py" in l and
+             "in step" in l for l in lines), out[-5000:]
+  assert elapsed < 60, out[-5000:]

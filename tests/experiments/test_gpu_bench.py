@@ -6,6 +6,7 @@ every mode trains, is measured and is written out. The benchmark is not
 imported: tests and experiments stay independent.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -28,6 +29,14 @@ def _bench(*args, timeout=600):
                        capture_output=True, text=True, timeout=timeout)
   assert out.returncode == 0, out.stdout + out.stderr
   return out.stdout
+
+
+@functools.cache
+def _dry_run(*args):
+  """The runs ``--dry-run ARGS`` plans (it imports no jax), as dicts; the
+  same arguments run once per file."""
+  return tuple(json.loads(line) for line in _bench(
+      "--dry-run", *args).splitlines())
 
 
 def test_every_mode_trains_and_is_reported(tmp_path):
@@ -71,13 +80,12 @@ def test_plans():
   # --dry-run prints the plan without importing jax. The default, speed:
   # the 1.3B model first, zero_jax before the baseline that copies its
   # remat, then the torch peers.
-  runs = [json.loads(line) for line in _bench("--dry-run").splitlines()]
+  runs = _dry_run()
   assert [r["size"] for r in runs] == ["1.3b"] * 5 + ["125m"] * 5
   assert [r["mode"] for r in runs[:3]] == [_ZERO, _BASELINE, _TORCH]
   assert {(r["attention"], r["remat"], r["loss_chunk"], r["batch"])
           for r in runs} == {("auto", "auto", 1024, 16)}
-  runs = [json.loads(line)
-          for line in _bench("--dry-run", "--plan", "all").splitlines()]
+  runs = _dry_run("--plan", "all")
   ladder = [r for r in runs if r["capacity"]]
   assert len([r for r in runs if r["plan"] == "offload"]) == 2 * 4
   assert ladder[0]["size"] == "1.3b" and ladder[-1]["size"] == "30b"
@@ -85,10 +93,8 @@ def test_plans():
 
 def test_opt_in_modes_run_only_when_named():
   prefetch = "zero_jax stage 3 + prefetch"
-  runs = [json.loads(line) for line in _bench("--dry-run").splitlines()]
-  assert prefetch not in {r["mode"] for r in runs}
-  runs = [json.loads(line) for line in _bench(
-      "--dry-run", "--modes", _ZERO, prefetch).splitlines()]
+  assert prefetch not in {r["mode"] for r in _dry_run()}
+  runs = _dry_run("--modes", _ZERO, prefetch)
   assert [r["mode"] for r in runs[:2]] == [_ZERO, prefetch]
   # A mode no run of the plan has is an error, not silently dropped.
   env = dict(os.environ, PYTHONPATH=_ROOT)

@@ -4,14 +4,18 @@ GSPMD FSDP step, compiled for 8 H100s (no GPU needed).
 The script is run as a user would (``--quick``: the tests' tiny GPT) and
 its report is checked: both files are written, each run compiled in its
 own subprocess, with the same persistent state per device, and every
-asynchronous collective's overlap counted. The benchmark is not imported:
-tests and experiments stay independent.
+asynchronous collective's overlap counted. hpZ is compared on 16 GPUs (two
+nodes) with the flat default there, each compiled once, and the default's
+8 GPUs are the ``--quick`` run's. The benchmark is not imported: tests and
+experiments stay independent.
 """
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests._gpu import compiles_for_gpus
 
@@ -20,20 +24,33 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 _SCRIPT = os.path.join(_ROOT, "experiments", "stage3_bench.py")
 
 
-@compiles_for_gpus
-def test_quick_run_writes_the_side_by_side_report(tmp_path):
+def _bench(out_dir, *args):
+  """Runs the script; returns its stderr and its report's rows by (N, run)
+  and markdown."""
   env = dict(os.environ, PYTHONPATH=_ROOT)
-  out = subprocess.run([sys.executable, _SCRIPT, "--quick", "--out-dir",
-                        str(tmp_path)], env=env, capture_output=True,
+  out = subprocess.run([sys.executable, _SCRIPT, *args, "--out-dir",
+                        str(out_dir)], env=env, capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stdout + out.stderr
+  rows = {(r["n"], r["run"]): r for r in json.loads(
+      (out_dir / "stage3_h100.json").read_text())["rows"]}
+  return out.stderr, rows, (out_dir / "stage3_h100.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+  """The ``--quick`` run's stderr, rows and markdown."""
+  return _bench(tmp_path_factory.mktemp("quick"), "--quick")
+
+
+@compiles_for_gpus
+def test_quick_run_writes_the_side_by_side_report(quick):
+  stderr, rows, md = quick
   # Progress on stderr: a line before and one after each compile.
-  assert out.stderr.count(": compiling") == 2, out.stderr
-  report = json.loads((tmp_path / "stage3_h100.json").read_text())
-  md = (tmp_path / "stage3_h100.md").read_text()
+  assert stderr.count(": compiling") == 2, stderr
   assert "PYTHONPATH=. python experiments/stage3_bench.py --quick" in md
-  rows = {r["run"]: r for r in report["rows"]}
-  assert set(rows) == {"default", "gspmd"}
+  assert set(rows) == {(8, "default"), (8, "gspmd")}
+  rows = {run: r for (_, run), r in rows.items()}
   for r in rows.values():
     assert r["status"] == "ok", r
     assert r["n"] == 8 and r["peak_bytes"] >= r["temp_bytes"] > 0
@@ -52,17 +69,20 @@ def test_quick_run_writes_the_side_by_side_report(tmp_path):
 
 
 @compiles_for_gpus
-def test_hpz_runs_on_two_nodes_and_reports_the_bytes_across_them(tmp_path):
-  env = dict(os.environ, PYTHONPATH=_ROOT)
-  out = subprocess.run([sys.executable, _SCRIPT, "--quick", "--devices",
-                        "8,16", "--configs", "default,hpz", "--out-dir",
-                        str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=600)
-  assert out.returncode == 0, out.stdout + out.stderr
-  rows = {(r["n"], r["run"]): r for r in json.loads(
-      (tmp_path / "stage3_h100.json").read_text())["rows"]}
-  # (On one node of 8 there is nothing for hpZ to keep inside it.)
+def test_hpz_runs_on_two_nodes_and_reports_the_bytes_across_them(
+    quick, tmp_path):
+  # hpZ asked for on 8 and 16 GPUs: on one node of 8 there is nothing for
+  # it to keep inside it, so it runs on 16 only.
+  _, hpz, _ = _bench(tmp_path / "hpz", "--quick", "--devices", "8,16",
+                     "--configs", "hpz")
+  assert set(hpz) == {(16, "hpz")}
+  # The flat default on the same 16, and on 8 (the --quick run's).
+  _, flat, _ = _bench(tmp_path / "flat", "--quick", "--devices", "16",
+                      "--configs", "default")
+  rows = {**hpz, **flat, (8, "default"): quick[1][8, "default"]}
   assert set(rows) == {(8, "default"), (16, "default"), (16, "hpz")}
+  for r in rows.values():
+    assert r["status"] == "ok", r
   assert rows[8, "default"]["cross_node_bytes"] == 0
   hpz, flat = rows[16, "hpz"]["cross_node_bytes"], rows[16, "default"][
       "cross_node_bytes"]

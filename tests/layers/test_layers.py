@@ -1,5 +1,7 @@
 """scan_layers and remat policies."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax.analysis import compiled_memory
+from zero_jax.analysis import compile_step
 
 
 def _layer(h, p):
@@ -61,14 +63,16 @@ def test_offload_policy_moves_exactly_the_tagged_activation():
   assert "Space.Host" not in backward_jaxpr("offload_to_host", ("other",))
 
 
+@functools.cache
 def _temp(remat, names=(), n_layers=4):
+  """The compiled step's temp bytes (each step compiled once per file)."""
   loss_fn, params, batches = m.gpt_setup(d_model=128, n_layers=n_layers,
                                          steps=1)
   engine = zj.Engine(loss_fn, optax.sgd(1e-2),
                      zj.ZeroConfig(stage=3, remat=remat, remat_names=names),
                      zj.make_mesh(num_devices=8))
-  state = engine.init(params)
-  return compiled_memory(engine.step.lower(state, batches[0]).compile()).temp
+  # (From shapes: nothing to initialise.)
+  return compile_step(engine, params, batches[0]).memory.temp
 
 
 def test_default_remat_does_not_keep_gathered_layers():
@@ -101,9 +105,8 @@ def test_scan_without_engine_parameters_warns_instead_of_silently_coarse():
   cast_loss = lambda p, b: loss_fn(jax.tree.map(lambda x: x * 1.0, p), b)
   engine = zj.Engine(cast_loss, optax.sgd(1e-2), zj.ZeroConfig(stage=3),
                      zj.make_mesh(num_devices=8))
-  state = engine.init(params)
   with pytest.warns(UserWarning, match="none of xs is a parameter"):
-    engine.step.lower(state, batches[0])
+    engine.step.lower(engine.abstract_state(params), batches[0])
 
 
 @pytest.mark.parametrize("remat", ["save_only_named", "offload_to_host"])

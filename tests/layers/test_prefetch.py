@@ -34,8 +34,13 @@ def test_prefetched_gpt_trains_as_single_device_optax(replica):
   m.assert_matches(losses, params_out, ref_losses, ref_params)
 
 
-@pytest.mark.parametrize("kw", [{"compute_dtype": "bfloat16"},
-                                {"quantized_weights": True}])
+@pytest.mark.parametrize("kw", [
+    # Both at once by default; each alone with -m exhaustive.
+    {"compute_dtype": "bfloat16", "quantized_weights": True},
+    pytest.param({"compute_dtype": "bfloat16"},
+                 marks=pytest.mark.exhaustive),
+    pytest.param({"quantized_weights": True}, marks=pytest.mark.exhaustive),
+], ids=lambda kw: "-".join(kw))
 def test_prefetch_changes_no_sum(kw):
   # Mixed precision and qwZ are approximate against fp32 optax; prefetch
   # itself adds nothing: the same values summed in the same order.
@@ -79,11 +84,15 @@ def test_integer_inputs_and_closed_over_parameters_get_their_gradients():
   # Single-device optax on the same global batches (SGD: Adam's first
   # steps would magnify float32 rounding in the tiniest gradients).
   tx = optax.sgd(0.5)
+
+  @jax.jit
+  def step(p, opt, b):
+    u, opt = tx.update(jax.grad(loss_fn)(p, b), opt, p)
+    return optax.apply_updates(p, u), opt
+
   ref, opt = params, tx.init(params)
   for b in batches:
-    g = jax.grad(loss_fn)(ref, b)
-    u, opt = tx.update(g, opt, ref)
-    ref = optax.apply_updates(ref, u)
+    ref, opt = step(ref, opt, b)
   engine = zj.Engine(loss_fn, optax.sgd(0.5),
                      zj.ZeroConfig(stage=3, prefetch=True,
                                    min_shard_elements=0),
@@ -176,8 +185,11 @@ def test_the_step_is_compiled_with_prefetchs_options(monkeypatch, prefetch):
   # the prefetching step is (at stage 3, remat full, "auto" prefetches).
   monkeypatch.setattr(zj.layers, "PREFETCH_COMPILER_OPTIONS",
                       {"xla_no_such_option_for_this_test": 1})
-  loss_fn, params, batches = m.MODELS["gpt"](steps=1)
-  engine = _engine(loss_fn, prefetch)
+  loss_fn, params, batches = _scan_model()
+  engine = zj.Engine(loss_fn, optax.sgd(0.5),
+                     zj.ZeroConfig(stage=3, prefetch=prefetch,
+                                   min_shard_elements=0),
+                     zj.make_mesh(num_devices=8))
   state = engine.init(params)
   if prefetch:
     with pytest.raises(Exception, match="xla_no_such_option_for_this_test"):

@@ -4,6 +4,7 @@ every mistake it reports, naming the parameter and the fix."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -70,11 +71,11 @@ def test_explicit_specs_win_over_metadata_and_shardings(mesh):
 
 
 def test_explicit_specs_from_flax_fit_boxed_trees(mesh):
-  params = tp.linen_init()
+  params = _whole("linen")[0]
   specs = nn.logical_to_mesh(nn.get_partition_spec(params), tp.LINEN_RULES)
   assert model_specs(params, mesh, specs=specs) == model_specs(
       params, mesh, rules=tp.LINEN_RULES)
-  state = tp.nnx_init()
+  state = _whole("nnx")[0]
   assert model_specs(state, mesh, specs=nnx.get_partition_spec(state)) == (
       model_specs(state, mesh))
 
@@ -164,7 +165,7 @@ def _nnx_state(names, shape=(8, 16), **metadata):
 
 
 def test_nnx_with_partitioning_mesh_names(mesh):
-  state = tp.nnx_init()
+  state = _whole("nnx")[0]
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
   got = {"/".join(str(k.key) for k in path[:2]): spec
          for (path, _), spec in zip(leaves, model_specs(state, mesh))}
@@ -349,12 +350,22 @@ _MODELS = {"nnx": (tp.nnx_init, tp.nnx_loss, None),
            "linen": (tp.linen_init, tp.linen_loss, tp.LINEN_RULES)}
 
 
+@functools.cache
+def _whole(model):
+  """The model's whole parameters and their loss on the first batch, once
+  per file (every mesh compares with them)."""
+  init, loss_fn, _ = _MODELS[model]
+  whole = init()
+  # (Jitted: one compile instead of one per operation.)
+  return whole, jax.jit(loss_fn)(whole, tp.tp_batches(1)[0])
+
+
 @pytest.mark.parametrize("mesh_name", sorted(_MESHES))
 @pytest.mark.parametrize("model", sorted(_MODELS))
 def test_tp_models_read_the_same_specs_sharded_or_not(model, mesh_name):
   mesh = make_mesh(**_MESHES[mesh_name])
   init, loss_fn, rules = _MODELS[model]
-  whole, sharded = init(), init(mesh=mesh)
+  (whole, whole_loss), sharded = _whole(model), init(mesh=mesh)
   specs = model_specs(whole, mesh, rules=rules)
   assert is_model_parallel(specs)
   assert model_specs(sharded, mesh, rules=rules) == specs
@@ -367,35 +378,36 @@ def test_tp_models_read_the_same_specs_sharded_or_not(model, mesh_name):
   for a, b in zip(jax.tree.leaves(whole), arrays):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   batch = tp.tp_batches(1)[0]
-  np.testing.assert_allclose(jax.jit(loss_fn)(sharded, batch),
-                             loss_fn(whole, batch), rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(loss_fn)(sharded, batch), whole_loss,
+                             rtol=1e-6)
 
 
 def test_tp_model_abstract_params_give_the_same_specs(mesh):
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(lambda: tp.NNXModel(rngs=nnx.Rngs(0)))
   abstract = nnx.split(model, nnx.Param)[1]
-  assert model_specs(abstract, mesh) == model_specs(tp.nnx_init(), mesh)
+  assert model_specs(abstract, mesh) == model_specs(_whole("nnx")[0],
+                                                    mesh)
   abstract = jax.eval_shape(tp.LINEN_MODEL.init, jax.random.PRNGKey(0),
                             jnp.zeros((1, tp.SEQ), jnp.int32))["params"]
   assert model_specs(abstract, mesh, rules=tp.LINEN_RULES) == model_specs(
-      tp.linen_init(), mesh, rules=tp.LINEN_RULES)
+      _whole("linen")[0], mesh, rules=tp.LINEN_RULES)
 
 
 def test_linen_apply_takes_boxed_params_and_boxes_the_gradient():
-  params, batch = tp.linen_init(), tp.tp_batches(1)[0]
-  boxed = tp.linen_loss(params, batch)
-  np.testing.assert_allclose(boxed, tp.linen_loss(nn.unbox(params), batch),
-                             rtol=1e-6)
+  (params, boxed), batch = _whole("linen"), tp.tp_batches(1)[0]
+  np.testing.assert_allclose(
+      boxed, jax.jit(tp.linen_loss)(nn.unbox(params), batch), rtol=1e-6)
   assert 3.0 < float(boxed) < 8.0  # about log(64) = 4.2 at init
-  grads = jax.grad(tp.linen_loss)(params, batch)
+  # (Jitted: one compile instead of one per operation.)
+  grads = jax.jit(jax.grad(tp.linen_loss))(params, batch)
   assert jax.tree.structure(grads) == jax.tree.structure(params)
   assert isinstance(grads["Dense_0"]["kernel"], nn.LogicallyPartitioned)
 
 
 def test_nnx_loss_differentiates_the_state():
-  params, batch = tp.nnx_init(), tp.tp_batches(1)[0]
-  grads = jax.grad(tp.nnx_loss)(params, batch)
+  params, batch = _whole("nnx")[0], tp.tp_batches(1)[0]
+  grads = jax.jit(jax.grad(tp.nnx_loss))(params, batch)
   assert jax.tree.structure(grads) == jax.tree.structure(params)
   assert all(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(grads))
 

@@ -17,6 +17,9 @@ from zero_jax import layout, materialize
 
 N = 8
 BLOCK = 256
+# (Jitted: one compile per shape instead of one per operation.)
+_quantize = jax.jit(materialize.quantize_blocks, static_argnums=1)
+_dequantize = jax.jit(materialize.dequantize_blocks, static_argnums=2)
 
 
 def _blocks(x, block):
@@ -30,13 +33,13 @@ def _blocks(x, block):
 @pytest.mark.parametrize("shape", [(3, 512), (4, 100), (1024,)])
 def test_blocks_round_trip_within_half_a_scale(shape):
   x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), shape)) * 3
-  q, scale = materialize.quantize_blocks(jnp.asarray(x), BLOCK)
+  q, scale = _quantize(jnp.asarray(x), BLOCK)
   assert q.dtype == jnp.int8 and q.shape == shape
   assert scale.dtype == jnp.float32
   # A block of 256 where it divides the last dimension, else the whole
   # dimension (100 elements: one block per row).
   assert scale.shape == shape[:-1] + (max(shape[-1] // BLOCK, 1),)
-  back = np.asarray(materialize.dequantize_blocks(q, scale, jnp.float32))
+  back = np.asarray(_dequantize(q, scale, jnp.float32))
   err = np.abs(_blocks(back - x, BLOCK))
   bound = np.asarray(scale)[..., None] / 2
   assert np.all(err <= bound * (1 + 1e-6))
@@ -50,8 +53,8 @@ def test_blocks_round_trip_within_half_a_scale(shape):
 def test_zero_blocks_stay_zero_and_non_finite_blocks_stay_non_finite():
   x = np.zeros((2, 512), np.float32)
   x[1, 300] = np.inf
-  q, scale = materialize.quantize_blocks(jnp.asarray(x), BLOCK)
-  back = np.asarray(materialize.dequantize_blocks(q, scale, jnp.float32))
+  q, scale = _quantize(jnp.asarray(x), BLOCK)
+  back = np.asarray(_dequantize(q, scale, jnp.float32))
   np.testing.assert_array_equal(back[0], 0.0)
   np.testing.assert_array_equal(back[1, :256], 0.0)
   # The step's overflow check must still see the inf.
@@ -86,8 +89,8 @@ def test_quantized_gather_is_each_shard_dequantized(shape):
       out_specs=(P(), lp.spec), check_vma=False))(x, weights)
   shards = np.split(np.asarray(x), N, axis=lp.dim)
   expect = np.concatenate(
-      [np.asarray(materialize.dequantize_blocks(
-          *materialize.quantize_blocks(jnp.asarray(s), BLOCK), jnp.float32))
+      [np.asarray(_dequantize(
+          *_quantize(jnp.asarray(s), BLOCK), jnp.float32))
        for s in shards], axis=lp.dim)
   np.testing.assert_array_equal(np.asarray(full), expect)
   assert np.max(np.abs(np.asarray(full) - np.asarray(x))) <= (

@@ -21,6 +21,14 @@ from zero_jax import offload
 HOST, DEVICE = "pinned_host", "device"
 
 
+# (A mask is a function of the parameter tree: init and update must see the
+# tree, not a flat list.)
+_OPTIMIZERS = dict(
+    m.OPTIMIZERS, adam=lambda: optax.adam(1e-2),
+    masked_adamw=lambda: optax.adamw(1e-2, weight_decay=0.1,
+                                     mask=lambda p: {k: k != "b1" for k in p}))
+
+
 def _master_on_host(stage, compute_dtype, offload_optimizer, offload_params):
   """The documented rule: the fp32 master goes to the host wherever forward
   reads a separate compute copy, or with offload_params."""
@@ -28,22 +36,33 @@ def _master_on_host(stage, compute_dtype, offload_optimizer, offload_params):
                                  and stage > 0))
 
 
-def _train(model, **config):
+def _train(model, opt="adamw", steps=3, **config):
+  """``(losses, params, final state, engine)`` of ``steps`` steps of
+  ``model`` ("mlp" or "gpt") on 8 devices. ``params``: the final state's
+  float32 master as it is laid out (numpy reads it whole, with no gather
+  program to compile)."""
   if model == "mlp":
-    loss_fn, params, batches = m.mlp_loss, m.mlp_params(), m.mlp_batches(4)
+    loss_fn, params, batches = m.mlp_loss, m.mlp_params(), m.mlp_batches(
+        steps)
   else:
-    loss_fn, params, batches = m.gpt_setup(steps=3)
-  engine = zj.Engine(loss_fn, m.OPTIMIZERS["adamw"](),
+    loss_fn, params, batches = m.gpt_setup(steps=steps)
+  engine = zj.Engine(loss_fn, _OPTIMIZERS[opt](),
                      zj.ZeroConfig(min_shard_elements=0, **config),
                      zj.make_mesh(num_devices=8))
-  return m.train_engine(engine, params, batches)
+  state, losses = m.run_steps(engine, engine.init(params), batches)
+  return losses, state.params, state, engine
+
+
+def _plain(model, opt="adamw", steps=3, **config):
+  """The same run without offload, shared by the tests that need it (the
+  cases here, the streamed update's and the GPT's references)."""
+  return _plain_run(model, opt, steps, tuple(sorted(
+      (k, v) for k, v in config.items() if v is not None)))
 
 
 @functools.cache
-def _plain(model, **config):
-  """The same run without offload (shared by the cases that need it)."""
-  losses, params, _ = _train(model, **config)
-  return losses, params
+def _plain_run(model, opt, steps, config):
+  return _train(model, opt, steps, **dict(config))
 
 
 def _check_placement(state, stage, compute_dtype=None, offload_optimizer=None,
@@ -92,10 +111,18 @@ CASES = (
      for o in ((None, "host") if u == "device" else ("host",))] +
     [dict(stage=2, compute_dtype="float16", offload_optimizer="host",
           update_on="host")])
+# The default run: every pair of values of any two of stage, compute_dtype,
+# update_on, offload_params and offload_optimizer that CASES holds; the
+# other cases with -m exhaustive.
+_PAIRWISE = (0, 1, 2, 3, 6, 9, 11, 12, 15)
 
 
-@pytest.mark.parametrize("config", CASES, ids=lambda c: "-".join(
-    f"{k}={v}" for k, v in c.items() if v is not None))
+@pytest.mark.parametrize(
+    "config", [c if i in _PAIRWISE else
+               pytest.param(c, marks=pytest.mark.exhaustive)
+               for i, c in enumerate(CASES)],
+    ids=["-".join(f"{k}={v}" for k, v in c.items() if v is not None)
+         for c in CASES])
 def test_offload_places_state_and_changes_nothing_else(config):
   run = _train("mlp", **config)
   _check_placement(run[2], **config)
@@ -157,14 +184,11 @@ def test_offloaded_stage3_gpt_gathers_layer_by_layer(config):
       diff = np.abs(np.asarray(x) - np.asarray(y))
       assert diff.max() <= 1e-2 and np.mean(diff > 1e-3) <= 0.01
 
-  loss_fn, params, batches = m.gpt_setup(steps=1)
-
-  engine = zj.Engine(loss_fn, m.OPTIMIZERS["adamw"](),
-                     zj.ZeroConfig(stage=3, min_shard_elements=0, **config),
-                     zj.make_mesh(num_devices=8))
-  state = engine.init(params)
+  # The step the run compiled, traced again on its last state.
+  _, _, state, engine = run
+  batch = m.gpt_setup(steps=1)[2][0]
   jaxpr = jax.make_jaxpr(engine.step.jitted)(state,
-                                             engine.shard_batch(batches[0]))
+                                             engine.shard_batch(batch))
   # The layer loops: the scans that multiply (the streamed update's do not).
   scans = [body for body in _scan_bodies(jaxpr.jaxpr)
            if "dot_general" in str(body)]
@@ -206,22 +230,6 @@ _STREAM_CASES = [
 ]
 
 
-def _run_mlp(opt, steps, **config):
-  # (A mask is a function of the parameter tree: init and update must see
-  # the tree, not a flat list.)
-  make = dict(m.OPTIMIZERS, adam=lambda: optax.adam(1e-2),
-              masked_adamw=lambda: optax.adamw(
-                  1e-2, weight_decay=0.1,
-                  mask=lambda p: {k: k != "b1" for k in p}))[opt]
-  engine = zj.Engine(m.mlp_loss, make(),
-                     zj.ZeroConfig(min_shard_elements=0, **config),
-                     zj.make_mesh(num_devices=8))
-  state = engine.init(m.mlp_params())
-  for batch in m.mlp_batches(steps):
-    state, _ = engine.step(state, batch)
-  return engine, state
-
-
 @pytest.mark.parametrize("opt,config", _STREAM_CASES,
                          ids=lambda c: c if isinstance(c, str) else "-".join(
                              f"{k}={v}" for k, v in c.items()))
@@ -232,8 +240,11 @@ def test_streamed_update_equals_the_update_without_offload(opt, config,
   # difference in the fp32 master (XLA fuses a slice's update differently
   # from the whole leaf's) can flip a 16-bit rounding in the next forward.
   steps = 3 if "compute_dtype" not in config else 1
-  engine, state = _run_mlp(opt, steps, offload_optimizer="host", **config)
-  _, ref = _run_mlp(opt, steps, **config)
+  _, _, state, engine = _train("mlp", opt, steps, offload_optimizer="host",
+                               **config)
+  # (Without offload the slices are never used: a shared plain run.)
+  ref = (_plain if "offload_params" not in config else _train)(
+      "mlp", opt, steps, **config)[2]
   calls = engine.layout.update.streamer.calls
   assert engine.placement.grads_on_host == (
       config["stage"] == 3 and
@@ -353,13 +364,20 @@ def test_delay_update_applies_each_gradient_one_update_late():
   assert "delay_update" in engine.describe()
   # Plain optax on one device, each gradient taken at the parameters from
   # before the previous update (DeepSpeed's delayed parameter update).
+  # (Jitted: one compile each instead of one per operation.)
+  grad = jax.jit(jax.value_and_grad(m.mlp_loss))
+
+  @jax.jit
+  def update(g, opt_state, p):
+    updates, opt_state = tx.update(g, opt_state, p)
+    return optax.apply_updates(p, updates), opt_state
+
   p = before = m.mlp_params()
   opt_state, ref = tx.init(p), []
   for batch in batches:
-    loss, g = jax.value_and_grad(m.mlp_loss)(before, batch)
+    loss, g = grad(before, batch)
     ref.append(float(loss))
-    updates, opt_state = tx.update(g, opt_state, p)
-    before, p = p, optax.apply_updates(p, updates)
+    before, (p, opt_state) = p, update(g, opt_state, p)
   np.testing.assert_allclose(losses, ref, rtol=1e-6)
   out = engine.gather_params(state)
   for k in p:

@@ -1,6 +1,7 @@
 """Bad input to the engine ends in a clear error before it reaches XLA, and
 non-finite gradients never reach the state."""
 
+import functools
 import os
 
 import jax
@@ -14,8 +15,11 @@ from tests import _models as m
 from zero_jax import _heartbeat
 
 
+@functools.cache
 def _engine(stage=3, devices=8, tx=None, loss=m.mlp_loss, has_aux=False,
             **config):
+  # One engine per configuration, shared by the tests that step it (each
+  # from a state of its own): its step is traced and compiled once.
   return zj.Engine(loss, tx or optax.adamw(1e-2),
                    zj.ZeroConfig(stage=stage, min_shard_elements=0, **config),
                    zj.make_mesh(num_devices=devices), has_aux=has_aux)
@@ -179,7 +183,6 @@ def test_a_batch_committed_to_other_devices_is_placed_on_the_mesh(
     state, metrics = engine.step(state, _on(batch, devices()))
     got.append(float(metrics["loss"]))
   # The same steps as from host (numpy) batches.
-  engine = _engine(devices=mesh_devices)
   state = engine.init(m.mlp_params())
   for batch, loss in zip(batches, got):
     state, metrics = engine.step(state, batch)

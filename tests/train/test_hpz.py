@@ -11,12 +11,19 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
+from tests.train import _shared
 from zero_jax import config as zconfig
 from zero_jax import layout
 
 
+# Steps per model: the MLP's 10 of tests/_models, the GPT's 3 (enough for
+# Adam's moments to matter; each of its steps costs about what the MLP's
+# engine costs to compile).
+STEPS = {"mlp": _shared.MODEL_STEPS, "gpt": _shared.GPT_STEPS}
+
+
 def _engine(model="gpt", opt="adamw", mesh=None, **fields):
-  loss_fn, params, batches = m.MODELS[model]()
+  loss_fn, params, batches = _shared.setup(model, STEPS[model])
   fields = {"stage": 3, "min_shard_elements": 0, "hpz_partition_size": 4,
             **fields}
   engine = zj.Engine(loss_fn, m.OPTIMIZERS[opt](m.LR_SCALE[model]),
@@ -28,7 +35,7 @@ def _engine(model="gpt", opt="adamw", mesh=None, **fields):
 @pytest.mark.parametrize("model,opt", [("mlp", "adamw"), ("gpt", "adamw"),
                                        ("gpt", "clip_adam")])
 def test_hpz_matches_single_device_optax(model, opt):
-  ref_losses, ref_params = m.cached_reference(model, opt)
+  ref_losses, ref_params = _shared.reference(model, opt, STEPS[model])
   engine, params, batches = _engine(model, opt)
   losses, params_out, state = m.train_engine(engine, params, batches)
   m.assert_matches(losses, params_out, ref_losses, ref_params)
@@ -64,7 +71,7 @@ def test_hpz_in_bf16_matches_the_flat_layout():
 def test_hpz_with_quantized_gathers_and_gradients_tracks_optax():
   # qwZ's int8 blocks cross the groups and are kept as the secondary copy;
   # qgZ's int8 gradient blocks are summed at both levels.
-  ref_losses, ref_params = m.cached_reference("gpt", "adamw")
+  ref_losses, ref_params = _shared.reference("gpt", "adamw", STEPS["gpt"])
   engine, params, batches = _engine(quantized_weights=True,
                                     quantized_gradients=True)
   losses, out, _ = m.train_engine(engine, params, batches)
@@ -92,7 +99,8 @@ def test_hpz_refuses_what_it_does_not_do(fields, match):
 ])
 def test_hpz_needs_a_mesh_of_its_groups(mesh_args, fix):
   with pytest.raises(ValueError, match=fix):
-    _engine(mesh=zj.make_mesh(**mesh_args))[0].init(m.MODELS["gpt"]()[1])
+    _engine(mesh=zj.make_mesh(**mesh_args))[0].init(
+        _shared.setup("gpt", STEPS["gpt"])[1])
 
 
 def test_deepspeed_key_maps_to_hpz():

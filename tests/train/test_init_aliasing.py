@@ -1,6 +1,7 @@
 """``engine.init`` copies the caller's parameters: no buffer of theirs ends
 up in the state, so the steps that donate it never delete or overwrite
-them, at every stage and offload setting."""
+them, at every stage and offload setting (pairwise over the stage and the
+offload settings by default; every case with ``-m exhaustive``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
 from tests import _models as m
+from tests.train import _shared
 
 _TX = lambda: optax.adamw(1e-2, weight_decay=0.1)
 _STEPS = 3
@@ -33,6 +35,24 @@ _STAGE_3_OFFLOADS = {
 }
 _CASES = ([(stage, name) for stage in (0, 1, 2, 3) for name in _OFFLOADS] +
           [(3, name) for name in _STAGE_3_OFFLOADS])
+
+
+def _flags(stage, offload):
+  """(stage, offload_optimizer, offload_params, update_on) of a case."""
+  config = {**_OFFLOADS, **_STAGE_3_OFFLOADS}[offload]
+  return (stage, config.get("offload_optimizer"),
+          config.get("offload_params"), config.get("update_on", "device"))
+
+
+def _default(stage, offload):
+  # Pairwise over the four settings (each pair of values any two of them
+  # take in _CASES): at stages 0-2 nothing offloaded and the optimizer on
+  # the host's CPU devices; at stage 3 the rest. The other cases are
+  # marked exhaustive.
+  if stage < 3:
+    return offload in ("none", "optimizer, host update")
+  return offload in ("none", "optimizer, host update", "params, host update",
+                     "both")
 
 
 def _callers_params(mesh) -> dict:
@@ -71,7 +91,9 @@ def _assert_intact(params: dict, before: dict, when: str) -> None:
                                   err_msg=f"the caller's {name} {when}")
 
 
-@pytest.mark.parametrize("stage,offload", _CASES)
+@pytest.mark.parametrize("stage,offload", [
+    pytest.param(*c, marks=() if _default(*c) else pytest.mark.exhaustive)
+    for c in _CASES])
 def test_init_never_shares_or_donates_the_callers_buffers(stage, offload):
   config = {**_OFFLOADS, **_STAGE_3_OFFLOADS}[offload]
   mesh = zj.make_mesh(num_devices=8)
@@ -95,3 +117,9 @@ def test_init_never_shares_or_donates_the_callers_buffers(stage, offload):
   ref_losses, ref_params = _reference()
   m.assert_matches(losses, engine.gather_params(state), ref_losses,
                    ref_params)
+
+
+def test_the_default_run_covers_the_settings_pairwise():
+  flags = [_flags(*c) for c in _CASES]
+  assert not _shared.uncovered_pairs(
+      flags, [_flags(*c) for c in _CASES if _default(*c)])

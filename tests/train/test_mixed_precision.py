@@ -1,5 +1,7 @@
 """compute_dtype: bf16 forward/backward and communication, fp32 master."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
+from tests.train import _shared
 from zero_jax import analysis
 from zero_jax import layout
 
@@ -17,11 +20,14 @@ def _cast(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
+# Steps per model: the MLP's 10 of tests/_models, the GPT's 3 (each of its
+# steps on 8 devices costs about what the MLP's engine costs to compile).
+STEPS = {"mlp": _shared.MODEL_STEPS, "gpt": _shared.GPT_STEPS}
+
+
 def _setup(model):
-  """The model with 20 steps of batches."""
-  if model == "mlp":
-    return m.mlp_loss, m.mlp_params(), m.mlp_batches(steps=20)
-  return m.gpt_setup(steps=20)
+  """The model with ``STEPS[model]`` steps of batches."""
+  return _shared.setup(model, STEPS[model])
 
 
 def _global_rel_err(a, b) -> float:
@@ -33,26 +39,34 @@ def _global_rel_err(a, b) -> float:
   return float(np.linalg.norm(flat(a) - flat(b)) / np.linalg.norm(flat(b)))
 
 
-@pytest.fixture(scope="module",
-                params=[("mlp", "bfloat16"), ("gpt", "bfloat16"),
-                        ("mlp", "float16")], ids="-".join)
-def low_precision_reference(request):
+@functools.cache
+def _low_precision_reference(model, dtype):
   """Single-device training of the same fp32 master params, the forward and
   backward on their 16-bit cast: what mixed precision is supposed to be."""
-  model, dtype = request.param
   loss_fn, params, batches = _setup(model)
   tx = m.OPTIMIZERS["adamw"](m.LR_SCALE[model])
-  ref = m.train_reference(lambda p, b: loss_fn(_cast(p, dtype), b), tx,
-                          params, batches)
-  return model, dtype, ref
+  return m.train_reference(lambda p, b: loss_fn(_cast(p, dtype), b), tx,
+                           params, batches)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_16bit_tracks_single_device_16bit(low_precision_reference, stage):
-  # 20 steps. float16 runs with dynamic loss scaling from 2**16, and no
-  # step may overflow; the reference scales nothing, so scaling is exact
-  # (powers of two).
-  model, dtype, (ref_losses, ref_params) = low_precision_reference
+def _cases():
+  # The grid (model, dtype) x stage runs pairwise by default: the GPT (in
+  # bfloat16) and the MLP in float16 at every stage, the MLP in bfloat16
+  # at one; its other stages are marked exhaustive.
+  for model, dtype in [("mlp", "bfloat16"), ("gpt", "bfloat16"),
+                       ("mlp", "float16")]:
+    for stage in [0, 1, 2, 3]:
+      default = (model, dtype) != ("mlp", "bfloat16") or stage == 2
+      yield pytest.param(model, dtype, stage, marks=() if default else
+                         pytest.mark.exhaustive)
+
+
+@pytest.mark.parametrize("model,dtype,stage", list(_cases()))
+def test_16bit_tracks_single_device_16bit(model, dtype, stage):
+  # float16 runs with dynamic loss scaling from 2**16, and no step may
+  # overflow; the reference scales nothing, so scaling is exact (powers of
+  # two).
+  ref_losses, ref_params = _low_precision_reference(model, dtype)
   loss_fn, params, batches = _setup(model)
   engine = zj.Engine(loss_fn, m.OPTIMIZERS["adamw"](m.LR_SCALE[model]),
                      zj.ZeroConfig(stage=stage, min_shard_elements=0,
@@ -88,13 +102,22 @@ def _emitted_comm(stage, compute_dtype, reduce_dtype=None):
   Without prefetch, whose loop bodies (counted once here) gather and
   reduce one layer more than they run; its collectives are counted in
   tests/layers/test_prefetch.py."""
-  loss_fn, params, batches = m.gpt_setup(d_model=64, n_layers=2, steps=1)
+  loss_fn, params, batch = _gpt64()
   engine = zj.Engine(loss_fn, m.OPTIMIZERS["adamw"](),
                      zj.ZeroConfig(stage=stage, compute_dtype=compute_dtype,
                                    reduce_dtype=reduce_dtype, prefetch=False),
                      zj.make_mesh(num_devices=8))
-  lowered = engine.step.lower(engine.init(params), batches[0])
+  # (Lowered from the state's shapes and shardings: nothing to compile.)
+  state = engine.abstract_state(params)
+  with jax.set_mesh(engine.mesh):
+    lowered = engine.step.lower(state, batch)
   return analysis.summarize(lowered.as_text(dialect="hlo"))
+
+
+@functools.cache
+def _gpt64():
+  loss_fn, params, batches = m.gpt_setup(d_model=64, n_layers=2, steps=1)
+  return loss_fn, params, batches[0]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -29,8 +29,8 @@ TIME_LIMIT_S = 240  # (about 10 s and 5 s on 2 cores)
 def _run_worker(out, *scenarios: str) -> tuple[dict, object]:
   """Runs the scenarios in a process of their own; returns (results, the
   output folder)."""
+  # (With the run's XLA_FLAGS and compilation cache: tests/conftest.py.)
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # (the worker asks for its 8 devices)
   try:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.train._step_fault_worker", str(out),

@@ -173,18 +173,34 @@ def test_the_norm_is_read_a_slice_per_device_at_stage_0():
   assert _update.norm_slices(engine3.layout) == [None] * 4
 
 
+_CLIP = 0.05
+
+
+@functools.cache
+def _clipped_reference():
+  """Single-device Adam clipped at ``_CLIP`` on the MLP for 4 steps: the
+  global norm of each step's gradient, the final parameters."""
+  tx = optax.chain(optax.clip_by_global_norm(_CLIP), optax.adam(1e-2))
+
+  @jax.jit  # (one program, not one per operation)
+  def step(params, opt_state, b):
+    g = jax.grad(m.mlp_loss)(params, b)
+    u, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, u), opt_state, optax.tree.norm(g)
+
+  ref = jax.device_put(m.mlp_params(), jax.devices()[0])
+  opt_state, norms = tx.init(ref), []
+  for b in m.mlp_batches(steps=4):
+    ref, opt_state, norm = step(ref, opt_state, b)
+    norms.append(float(norm))
+  return norms, ref
+
+
 @pytest.mark.parametrize("replica", [1, 2])
 def test_the_sliced_norm_and_clipping_are_exact(replica):
   params, batches = m.mlp_params(), m.mlp_batches(steps=4)
-  clip = 0.05
-  tx = optax.chain(optax.clip_by_global_norm(clip), optax.adam(1e-2))
-  ref = jax.device_put(params, jax.devices()[0])
-  opt_state, norms = tx.init(ref), []
-  for b in batches:
-    g = jax.grad(m.mlp_loss)(ref, b)
-    norms.append(float(optax.tree.norm(g)))
-    u, opt_state = tx.update(g, opt_state, ref)
-    ref = optax.apply_updates(ref, u)
+  clip = _CLIP
+  norms, ref = _clipped_reference()
   assert min(norms) > clip  # clipping is active
   engine = zj.Engine(m.mlp_loss, optax.adam(1e-2),
                      zj.ZeroConfig(stage=0, clip_grad_norm=clip),

@@ -1,6 +1,10 @@
 """ZeRO composed with tensor parallelism: every stage on (data x model)
 meshes equals single-device optax, each model split by its own specs, the
-state split over both axes, and no mesh axis silently ignored."""
+state split over both axes, and no mesh axis silently ignored.
+
+The grid of models x meshes x stages runs pairwise by default (every model
+at every stage and on every mesh, every mesh at every stage); the rest of
+it is marked ``exhaustive`` (``pytest -m exhaustive``)."""
 
 import functools
 
@@ -13,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import zero_jax as zj
 from tests import _models as m
 from tests import _tp_models as tpm
+from tests.train import _shared
 from zero_jax import analysis
 from zero_jax.layout import DATA, MODEL
 
@@ -65,9 +70,26 @@ def _split_over(state, axis):
   return out
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
-@pytest.mark.parametrize("model", sorted(MODELS))
+STAGES = [0, 1, 2, 3]
+
+
+def _grid():
+  return [(model, mesh_name, stage) for model in sorted(MODELS)
+          for mesh_name in sorted(MESHES) for stage in STAGES]
+
+
+def _default(model, mesh_name, stage):
+  # A Latin square: each (mesh, stage) once, its model rotating, so each
+  # model meets every mesh and every stage (the GPT's scanned layers at
+  # every stage). (Shifted by one so that the NNX model runs at stage 3 on
+  # d4m2, the engine the tests below compile again.)
+  i = (stage + sorted(MESHES).index(mesh_name) + 1) % len(MODELS)
+  return model == sorted(MODELS)[i]
+
+
+@pytest.mark.parametrize("model,mesh_name,stage", [
+    pytest.param(*c, marks=() if _default(*c) else pytest.mark.exhaustive)
+    for c in _grid()])
 def test_every_stage_and_mesh_matches_single_device_optax(model, mesh_name,
                                                            stage):
   loss_fn, params, batches, tx, kwargs = MODELS[model]()
@@ -87,6 +109,12 @@ def test_every_stage_and_mesh_matches_single_device_optax(model, mesh_name,
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
     assert any(DATA in str(x.sharding.spec) and MODEL in str(x.sharding.spec)
                for x in moments)
+
+
+def test_the_default_run_covers_the_grid_pairwise():
+  grid = _grid()
+  assert not _shared.uncovered_pairs(grid, [c for c in grid
+                                            if _default(*c)])
 
 
 def _nnx_engine(config, mesh, **kwargs):
@@ -169,12 +197,18 @@ def test_blocks_run_one_at_a_time_compose():
               "y": rng.integers(0, 64, (16, 8), dtype=np.int32)}
              for _ in range(STEPS)]
   tx = optax.adamw(1e-2)
-  ref_losses, ref_params = m.train_reference(loss_fn, tx, params, batches)
+  reference = m.train_reference(loss_fn, tx, params, batches)
+  mesh = _mesh("d4m2")
   engine = zj.Engine(loss_fn, tx, zj.ZeroConfig(stage=3,
                                                 min_shard_elements=0),
-                     _mesh("d4m2"), model_specs=_loop_gpt_specs(params))
+                     mesh, model_specs=_loop_gpt_specs(params))
   losses, out, _ = m.train_engine(engine, params, batches)
-  m.assert_matches(losses, out, ref_losses, ref_params)
+  # Adam at lr 1e-2 turns fp32 reordering into errors near 1e-5 here, so
+  # the bound is a multiple of plain jax.jit's own on the same mesh
+  # (measured: jax 0.10 lands 3.2e-6 from one device, this engine 9.3e-6;
+  # jax 0.12 6.3e-6 and 1.9e-5).
+  floor = m.reduction_floor(loss_fn, tx, params, batches, mesh, reference)
+  m.assert_matches(losses, out, *reference, tol=m.floor_tolerance(floor))
   assert engine.units_seen, "the blocks did not run one at a time"
 
 
@@ -189,10 +223,12 @@ def test_blocks_run_one_at_a_time_compose():
 def test_accumulation_clipping_and_offload_compose(extra, reference_tx):
   batches = tpm.tp_batches(STEPS)
   tx = optax.adamw(1e-2, weight_decay=0.1)
-  ref_tx = (optax.chain(optax.clip_by_global_norm(0.05), tx)
-            if reference_tx == "clip" else tx)
-  ref_losses, ref_params = m.train_reference(tpm.nnx_loss, ref_tx,
-                                             tpm.nnx_init(), batches)
+  if reference_tx == "clip":
+    ref_losses, ref_params = m.train_reference(
+        tpm.nnx_loss, optax.chain(optax.clip_by_global_norm(0.05), tx),
+        tpm.nnx_init(), batches)
+  else:  # (the grid's: the same optimizer on the same batches)
+    ref_losses, ref_params = _reference("nnx")
   engine = zj.Engine(tpm.nnx_loss, tx,
                      zj.ZeroConfig(min_shard_elements=0, **extra),
                      _mesh("d4m2"))

@@ -11,6 +11,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
+from tests.train import _shared
 from zero_jax.train import _loss_scale as ls
 from zero_jax.analysis import compiled_memory, param_count
 
@@ -43,9 +44,10 @@ def test_accumulation_equals_one_step_on_the_global_batch(stage):
 
 
 def test_accumulation_gpt_stage3_with_aux():
-  loss_fn, params, batches = m.gpt_setup(steps=3)
+  loss_fn, params, batches = _shared.setup("gpt", _shared.GPT_STEPS)
   tx = m.OPTIMIZERS["adamw"](m.LR_SCALE["gpt"])
-  ref_losses, ref_params = m.train_reference(loss_fn, tx, params, batches)
+  ref_losses, ref_params = _shared.reference("gpt", "adamw",
+                                             _shared.GPT_STEPS)
 
   def with_aux(p, b):
     return loss_fn(p, b), {"first_token": jnp.mean(b["tokens"][:, 0]
@@ -65,9 +67,15 @@ def test_accumulation_gpt_stage3_with_aux():
                    ref_params)
 
 
+@functools.cache
+def _gpt128():
+  loss_fn, params, _ = m.gpt_setup(d_model=128, n_layers=4, steps=1)
+  return loss_fn, params
+
+
 def _accum_temp(stage, accum):
   """Step temporaries at a fixed micro-batch (2 sequences per device)."""
-  loss_fn, params, _ = m.gpt_setup(d_model=128, n_layers=4, steps=1)
+  loss_fn, params = _gpt128()
   # (Without prefetch: with it, this CPU-compiled step's temp grows by
   # 2.1 MB more under accumulation, as much as its layers' fp32
   # parameters; not yet explained, noted in issue 30.)
@@ -75,8 +83,10 @@ def _accum_temp(stage, accum):
                    grad_accum_steps=accum, min_shard_elements=1024,
                    prefetch=False)
   batch = {"tokens": np.zeros((16 * accum, 17), np.int32)}
-  mem = compiled_memory(engine.step.lower(engine.init(params),
-                                          batch).compile())
+  # (Lowered from the state's shapes and shardings: init compiles nothing.)
+  state = engine.abstract_state(params)
+  with jax.set_mesh(engine.mesh):
+    mem = compiled_memory(engine.step.lower(state, batch).compile())
   return mem.temp, engine, param_count(params)
 
 
@@ -122,16 +132,26 @@ def test_train_batch_size_is_enforced_and_resolved():
 # ---------------------------------------------------------------- clipping
 
 
-def _reference_norms(loss_fn, tx, params, batches):
-  """Single-device training; the global norm of each step's gradient."""
-  params = jax.device_put(params, jax.devices()[0])
+@functools.cache
+def _awkward_reference_norms(clip):
+  """Single-device training of the awkward model, Adam clipped at
+  ``clip``: the global norm of each step's gradient, the final
+  parameters."""
+  loss_fn, batches = m.awkward_loss, m.awkward_batches()
+  tx = optax.chain(optax.clip_by_global_norm(clip), optax.adam(1e-2))
+
+  @jax.jit  # (one program, not one per operation)
+  def step(params, opt_state, b):
+    g = jax.grad(loss_fn)(params, b)
+    u, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, u), opt_state, optax.tree.norm(g)
+
+  params = jax.device_put(m.awkward_params(), jax.devices()[0])
   opt_state = tx.init(params)
   norms = []
   for b in batches:
-    g = jax.grad(loss_fn)(params, b)
-    norms.append(float(optax.tree.norm(g)))
-    u, opt_state = tx.update(g, opt_state, params)
-    params = optax.apply_updates(params, u)
+    params, opt_state, norm = step(params, opt_state, b)
+    norms.append(float(norm))
   return norms, params
 
 
@@ -143,8 +163,7 @@ def test_grad_norm_and_clipping_are_exact(stage, replica):
   loss_fn, params, batches = (m.awkward_loss, m.awkward_params(),
                               m.awkward_batches())
   clip = 0.05
-  tx = optax.chain(optax.clip_by_global_norm(clip), optax.adam(1e-2))
-  ref_norms, ref_params = _reference_norms(loss_fn, tx, params, batches)
+  ref_norms, ref_params = _awkward_reference_norms(clip)
   assert max(ref_norms) > clip  # clipping is active
   engine = zj.Engine(loss_fn, optax.adam(1e-2),
                      zj.ZeroConfig(stage=stage, clip_grad_norm=clip),
