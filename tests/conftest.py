@@ -3,10 +3,13 @@
 The models are tiny, so compiling dominates the suite. Three things shorten
 it (docs/design.md, "Tests"; the README gives its time):
 
-- XLA's LLVM backend optimizations are turned down. They act after buffer
-  assignment: the compiled GPT step's argument, output, temp and alias
-  bytes and its collectives are identical with and without them, at every
-  stage (``PYTHONPATH=. python experiments/compile_flags.py``).
+- XLA's LLVM backend optimizations are turned down, and programs compiled
+  for GPUs without one skip autotuning (which cannot time anything there
+  and, on jax 0.12, took a third of each such compile). Both act after
+  buffer assignment and scheduling: the compiled steps' argument, output,
+  temp, alias and host bytes, their collectives and, for GPUs, their HLO
+  less kernel launch configurations are identical with and without them
+  (``PYTHONPATH=. python experiments/compile_flags.py``).
 - One persistent compilation cache serves the whole run: its workers and
   every process a test starts (they inherit the environment), so a program
   compiled once is read back, not compiled again. It is a new directory
@@ -29,7 +32,8 @@ import tempfile
 
 _FLAGS = {"xla_force_host_platform_device_count": "8",
           "xla_backend_optimization_level": "0",
-          "xla_llvm_disable_expensive_passes": "true"}
+          "xla_llvm_disable_expensive_passes": "true",
+          "xla_gpu_autotune_level": "0"}
 for _name, _value in _FLAGS.items():
   if _name not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

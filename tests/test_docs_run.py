@@ -52,10 +52,12 @@ _GPU_COMPILE = re.compile(r"#\s*compiles for GPUs\b")
 # A block that runs longer than this is a documented command to make
 # cheaper (small model flags), not a reason to wait.
 _TIMEOUT_S = 120
-# XLA's slow LLVM passes off, as tests/conftest.py does: they change no
-# result, only compile time; and no device count, which each block sets.
+# XLA's slow LLVM passes and GPU autotuning off, as tests/conftest.py
+# does: they change no result, only compile time; and no device count,
+# which each block sets.
 _XLA_FLAGS = ("--xla_backend_optimization_level=0 "
-              "--xla_llvm_disable_expensive_passes=true")
+              "--xla_llvm_disable_expensive_passes=true "
+              "--xla_gpu_autotune_level=0")
 
 
 @dataclasses.dataclass(frozen=True)

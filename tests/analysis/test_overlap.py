@@ -264,14 +264,18 @@ def test_compiled_gathers_overlap_an_independent_matmul_only(independent):
 _DEEP = {**_TINY, "layers": 24}
 
 
-@functools.cache
 def _zero(devices=N, prefetch=True):
   """The stage-3 step of _DEEP for ``devices`` H100s, the default config
   (which prefetches) or without prefetch (each layer's gathers at the top
   of its iteration; tests/layers/test_prefetch.py counts the default's
   collectives). Programs compiled for GPUs are not kept by the persistent
   compilation cache: each is compiled once here, for every test that reads
-  it."""
+  it, however its arguments are spelled."""
+  return _compiled_zero(devices, prefetch)
+
+
+@functools.cache
+def _compiled_zero(devices, prefetch):
   return analysis.compile_gpt(
       "h100", devices, 3, **_DEEP,
       overrides=None if prefetch else {"prefetch": False})
