@@ -1,17 +1,24 @@
-"""Steps compiled on the 8 CPU devices that several analysis test files
-measure (test_memory_hlo.py, test_estimate.py).
+"""Steps that several analysis test files compile.
 
-Each is built once per process; a file on another worker finds the same
-programs in the run's persistent compilation cache (they are CPU programs,
-which it keeps), so the two files compile them once between them.
+- ``gpt``/``step``: on the 8 CPU devices (test_memory_hlo.py,
+  test_estimate.py). Each is built once per process; a file on another
+  worker finds the same programs in the run's persistent compilation cache
+  (they are CPU programs, which it keeps), so the two files compile them
+  once between them.
+- ``compile_gpt``: ``zero_jax.analysis.compile_gpt`` once per process for
+  each distinct step, however its arguments are spelled. Programs compiled
+  for GPUs are not kept by the persistent cache, so each would otherwise
+  cost its whole compile again.
 """
 
 import functools
+import inspect
 
 import optax
 
 import zero_jax as zj
 from tests import _models as m
+from zero_jax import analysis
 
 N = 8
 
@@ -43,3 +50,25 @@ def step(stage: int, n_layers: int = 4, replica: int = 1,
                                    compute_dtype=compute_dtype), mesh)
   state = engine.init(params)
   return engine, state, engine.step.lower(state, batch).compile()
+
+
+_SIGNATURE = inspect.signature(analysis.compile_gpt)
+
+
+def compile_gpt(*args, **kwargs):
+  """``zero_jax.analysis.compile_gpt``, each distinct step compiled once:
+  the same ``(engine, compiled)`` for the same arguments, defaults filled
+  in (``overrides`` None and {} alike)."""
+  bound = _SIGNATURE.bind(*args, **kwargs)
+  bound.apply_defaults()
+  arguments = dict(bound.arguments)
+  arguments["overrides"] = tuple(sorted((arguments["overrides"] or
+                                         {}).items()))
+  return _compiled_gpt(tuple(sorted(arguments.items())))
+
+
+@functools.cache
+def _compiled_gpt(arguments):
+  kwargs = dict(arguments)
+  return analysis.compile_gpt(**{**kwargs,
+                                 "overrides": dict(kwargs["overrides"])})

@@ -9,13 +9,12 @@ spaces. The reference figures are a real H100 80GB's (jax 0.11.2,
 
 Programs compiled for GPUs are not kept by the persistent compilation
 cache, so each costs its full compile time every run: every step here is
-compiled once (``_gpt``, which the command line's tests go through too),
-and the tests that read the same step share it.
+compiled once (``_shared.compile_gpt``, which the command line's tests go
+through too), and the tests that read the same step share it.
 """
 
 import functools
 import importlib.util
-import inspect
 import math
 import re
 
@@ -25,6 +24,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
+from tests.analysis import _shared
 from tests._gpu import compiles_for_gpus
 from zero_jax import analysis
 from zero_jax import offload
@@ -44,34 +44,14 @@ _1_3B = dict(layers=24, hidden=2048, heads=16, vocab=50304, seq_len=1024,
              micro_batch=16)
 
 
-_SIGNATURE = inspect.signature(compile_gpt)
-
-
-def _gpt(*args, **kwargs):
-  """``compile_gpt``, each distinct step compiled once in this file: the
-  same ``(engine, compiled)`` for the same arguments, however spelled
-  (defaults filled in). The command line's tests give it to ``main``."""
-  bound = _SIGNATURE.bind(*args, **kwargs)
-  bound.apply_defaults()
-  arguments = dict(bound.arguments)
-  arguments["overrides"] = tuple(sorted((arguments["overrides"] or
-                                         {}).items()))
-  return _compiled_gpt(tuple(sorted(arguments.items())))
-
-
-@functools.cache
-def _compiled_gpt(arguments):
-  kwargs = dict(arguments)
-  return compile_gpt(**{**kwargs, "overrides": dict(kwargs["overrides"])})
-
-
 # (Without prefetch, whose first and last layers are gathered and reduced
 # twice: tests/layers/test_prefetch.py counts its collectives.)
 def _tiny(stage, compute_dtype="bfloat16", layers=4, overrides=None,
           **options):
-  return _gpt("h100", N, stage, compute_dtype=compute_dtype,
-              overrides={"prefetch": False, **(overrides or {})},
-              **dict(_TINY, layers=layers), **options)
+  return _shared.compile_gpt(
+      "h100", N, stage, compute_dtype=compute_dtype,
+      overrides={"prefetch": False, **(overrides or {})},
+      **dict(_TINY, layers=layers), **options)
 
 
 def _sharded_elements(engine):
@@ -191,7 +171,7 @@ def test_stage3_temp_grows_by_the_added_layers_shards_not_their_params():
 def test_reference_gpt_peak_matches_a_real_h100():
   # (A real H100 also measured the 125M step, 6.8 GiB, which compiles to
   # 6.83.)
-  _, c = _gpt("h100", 1, 3, **_1_3B)
+  _, c = _shared.compile_gpt("h100", 1, 3, **_1_3B)
   assert c.memory.host == 0
   assert abs(c.memory.peak / GIB - 27.8) <= 0.05 * 27.8, c.memory.peak / GIB
 
@@ -371,7 +351,7 @@ def test_every_target_describes_its_gpu_and_an_a100_compiles():
                    "h200": "NVIDIA H200 141GB HBM3e",
                    "a100-80gb": "NVIDIA A100-SXM4-80GB"}
   # Another architecture (sm_80) than the H100s of the other tests.
-  _, c = _gpt("a100-80gb", 2, 3, **dict(_TINY, layers=2))
+  _, c = _shared.compile_gpt("a100-80gb", 2, 3, **dict(_TINY, layers=2))
   assert c.collective_bytes("all-gather") > 0 and c.memory.peak > 0
 
 
@@ -400,7 +380,7 @@ def test_cli_prints_the_compiled_step(monkeypatch, capsys):
   # _TINY on 8 compile-only H100s as data 4 x model 2
   # (gpu_mesh("h100", 8, model=2)): the step the tensor-parallel test below
   # compiles, compiled once for both (the command line calls compile_gpt).
-  monkeypatch.setattr(_cli, "compile_gpt", _gpt)
+  monkeypatch.setattr(_cli, "compile_gpt", _shared.compile_gpt)
   assert main(["--compile", "h100", "--devices", "8", "--model-parallel", "2",
                "--stage", "3", "--compute-dtype", "bf16", "--attention",
                "auto", *_cli_shape()]) == 0
@@ -409,7 +389,8 @@ def test_cli_prints_the_compiled_step(monkeypatch, capsys):
           "compiled for 8 x h100 (data 4 x model 2)" in line]
   assert len(peak) == 1 and "GiB" in peak[0]
   # The compiled step's own figures.
-  _, c = _gpt("h100", N, 3, model=2, attention="auto", **_TINY)
+  _, c = _shared.compile_gpt("h100", N, 3, model=2, attention="auto",
+                             **_TINY)
   assert f"peak {c.memory.peak / GIB:.3f} GiB" in peak[0]
   assert "all-gather bf16" in out and "all-to-all bf16" in out
   assert "model parallel M = 2, sharded over N = 4" in out
@@ -422,7 +403,8 @@ def test_tensor_parallel_collectives_run_along_their_axes():
   # gradient all-to-alls run along 'data' on each model rank's bf16 slice,
   # the compiler's tensor-parallel collectives along 'model'.
   # (attention="auto": the einsum under tensor parallelism.)
-  engine, c = _gpt("h100", N, 3, model=2, attention="auto", **_TINY)
+  engine, c = _shared.compile_gpt("h100", N, 3, model=2, attention="auto",
+                                  **_TINY)
   mesh = engine.mesh
   along = {}
   for op in analysis.collectives(c.hlo):

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests._gpu import compiles_for_gpus
+from tests.analysis import _shared
 from zero_jax import analysis
 from zero_jax.analysis import overlap, overlap_summary
 
@@ -268,15 +269,8 @@ def _zero(devices=N, prefetch=True):
   """The stage-3 step of _DEEP for ``devices`` H100s, the default config
   (which prefetches) or without prefetch (each layer's gathers at the top
   of its iteration; tests/layers/test_prefetch.py counts the default's
-  collectives). Programs compiled for GPUs are not kept by the persistent
-  compilation cache: each is compiled once here, for every test that reads
-  it, however its arguments are spelled."""
-  return _compiled_zero(devices, prefetch)
-
-
-@functools.cache
-def _compiled_zero(devices, prefetch):
-  return analysis.compile_gpt(
+  collectives), compiled once for every test that reads it."""
+  return _shared.compile_gpt(
       "h100", devices, 3, **_DEEP,
       overrides=None if prefetch else {"prefetch": False})
 
