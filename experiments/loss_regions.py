@@ -15,7 +15,13 @@ dtype, a row lookup such as an embedding):
   arrives unreduced and one reduce-scatter sums it: ZeRO's bytes;
 - ``replicated``: the region's output an ordinary replicated value, its
   backward a custom VJP that reduce-scatters: the compiler first all-reduces
-  the cotangent (plain ``jax.jit``'s rule for a replicated value).
+  the cotangent (plain ``jax.jit``'s rule for a replicated value);
+- ``gspmd backward``: the region's gather in forward, and a term of value
+  zero whose transpose is the compiler's own (a resharding of the shard);
+- ``reduced param``: no region. The whole parameter is typed reduced
+  before it is differentiated (MaxText's deferred gradient all-reduce), the
+  loss runs in ``jax.sharding.auto_axes``, and the unreduced gradient is
+  reduce-scattered explicitly.
 
 For each: the gradient's error relative to one device's, and the
 collectives of the compiled program (CPU), e.g.::
@@ -27,6 +33,7 @@ collectives of the compiled program (CPU), e.g.::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
@@ -113,12 +120,34 @@ def region(kind: str, shard: jax.Array) -> jax.Array:
                                     in_sharding=P("data"))(shard)
 
 
-KINDS = ("reduced", "replicated", "gspmd backward")
+KINDS = ("reduced", "replicated", "gspmd backward", "reduced param")
+
+
+def _typed(mesh, kind: str):
+  """The mesh a kind runs under: "reduced param" needs Explicit axes."""
+  if kind != "reduced param":
+    return mesh
+  return jax.make_mesh(mesh.devices.shape, mesh.axis_names,
+                       axis_types=(AxisType.Explicit,),
+                       devices=list(mesh.devices.flat))
 
 
 def _collectives(text: str) -> list[str]:
   return re.findall(r"\b(all-gather|all-reduce|reduce-scatter)"
                     r"(?:-start)?\(", text)
+
+
+def _reduced_param_grad(loss, w_whole, x):
+  """The gradient shard of ``loss`` with respect to ``w_whole`` typed
+  reduced (under an Explicit mesh context)."""
+  w = jax.sharding.reshard(w_whole, P(None, reduced={"data"}))
+  g = jax.grad(lambda w, x: jax.sharding.auto_axes(
+      loss, axes="data", out_sharding=P())(w, x))(w, x)
+  return jax.shard_map(
+      lambda g: jax.lax.psum_scatter(g, "data", scatter_dimension=0,
+                                     tiled=True),
+      mesh=jax.sharding.get_abstract_mesh(),
+      in_specs=P(None, unreduced={"data"}), out_specs=P("data"))(g)
 
 
 def measure(kinds=KINDS, uses=tuple(USES), target: str | None = None
@@ -143,18 +172,26 @@ def measure(kinds=KINDS, uses=tuple(USES), target: str | None = None
     loss = USES[use]
     ref = jax.grad(loss)(w, x)
     for kind in kinds:
-      grad = jax.jit(jax.grad(lambda s, b, loss=loss, kind=kind:
-                              loss(region(kind, s), b)))
-      with jax.set_mesh(mesh):
-        ws = jax.device_put(w, NamedSharding(mesh, P("data")))
-        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+      # (The parameter enters whole for "reduced param", else sharded.)
+      w_spec = P() if kind == "reduced param" else P("data")
+      if kind == "reduced param":
+        grad = jax.jit(functools.partial(_reduced_param_grad, loss))
+      else:
+        grad = jax.jit(jax.grad(lambda s, b, loss=loss, kind=kind:
+                                loss(region(kind, s), b)))
+      with jax.set_mesh(_typed(mesh, kind)):
+        m = _typed(mesh, kind)
+        ws = jax.device_put(w, NamedSharding(m, w_spec))
+        xs = jax.device_put(x, NamedSharding(m, P("data")))
         g = grad(ws, xs)
         text = grad.lower(ws, xs).compile().as_text()
       if gpus is not None:
-        with jax.set_mesh(gpus):
-          shape = lambda a: jax.ShapeDtypeStruct(
-              a.shape, a.dtype, sharding=NamedSharding(gpus, P("data")))
-          text = grad.lower(shape(w), shape(x)).compile().as_text()
+        g_mesh = _typed(gpus, kind)
+        with jax.set_mesh(g_mesh):
+          shape = lambda a, spec: jax.ShapeDtypeStruct(
+              a.shape, a.dtype, sharding=NamedSharding(g_mesh, spec))
+          text = grad.lower(shape(w, w_spec),
+                            shape(x, P("data"))).compile().as_text()
       err = float(jnp.max(jnp.abs(g - ref)) / jnp.max(jnp.abs(ref)))
       rows.append({"use": use, "kind": kind, "devices": n, "rel_err": err,
                    "ratio": float(np.max(np.abs(g)) / np.max(np.abs(ref))),

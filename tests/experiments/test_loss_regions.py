@@ -36,17 +36,20 @@ def rows():
   return rows
 
 
-def test_reduced_regions_are_exact_only_through_a_matmul():
+def test_reduced_types_are_exact_only_through_a_matmul():
   got = rows()
   err, ratio, ops = got[("matmul", "reduced")]
   assert err < 1e-5 and ops == "all-gather, reduce-scatter", got
+  err, ratio, ops = got[("matmul", "reduced param")]
+  assert err < 1e-5 and ops == "reduce-scatter", got
   for use in ("slice (pos_emb[:T])", "cast (astype bf16)",
               "row lookup (embedding)"):
-    err, ratio, _ = got[(use, "reduced")]
-    assert abs(ratio - 8) < 1e-3, (
-        f"{use}: a reduced region's gradient is {ratio}x one device's, no "
-        "longer 8x: jax now keeps the reduced type here; revisit "
-        "docs/design.md ('Where this differs') and the loss-scope issue")
+    for kind in ("reduced", "reduced param"):
+      err, ratio, _ = got[(use, kind)]
+      assert abs(ratio - 8) < 1e-3, (
+          f"{use}, {kind}: the gradient is {ratio}x one device's, no "
+          "longer 8x: jax now keeps the reduced type here; revisit "
+          "docs/design.md ('Where this differs') and the loss-scope issue")
 
 
 def test_regions_with_an_ordinary_output_are_exact_for_every_use():
