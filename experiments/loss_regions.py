@@ -4,7 +4,7 @@ A loss means what it means on one device when it runs as plain ``jax.jit``
 code over the global batch (the batch axes automatic, GSPMD's). ZeRO's
 collectives can stay explicit if each parameter the loss reads is gathered
 in a ``shard_map`` region of its own, whose backward reduce-scatters the
-gradient. Two ways to type the region's output, each checked here against
+gradient. Four ways to type what the loss receives, each checked here against
 ``jax.grad`` on one device, for a parameter that the loss uses the ways
 models do (a matmul, a slice such as ``pos_emb[:T]``, a cast to the compute
 dtype, a row lookup such as an embedding):
@@ -24,10 +24,11 @@ dtype, a row lookup such as an embedding):
   reduce-scattered explicitly.
 
 For each: the gradient's error relative to one device's, and the
-collectives of the compiled program (CPU), e.g.::
+collectives of the compiled program (for the CPU devices, or with
+``--target`` for 8 compile-only GPUs), e.g.::
 
   python experiments/loss_regions.py
-  python experiments/loss_regions.py --out experiments/results/loss_regions_cpu.md
+  python experiments/loss_regions.py --target h100 --out experiments/results/loss_regions_h100.md
 """
 
 from __future__ import annotations
