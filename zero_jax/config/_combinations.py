@@ -56,6 +56,8 @@ def check_combinations(config: Any) -> None:
         f"offload_optimizer={config.offload_optimizer!r}, prefetch="
         f"{config.prefetch}): use stage=3 without offload or prefetch, or "
         "hpz_partition_size=1.")
+  if config.loss_scope == "global":
+    _check_global(config)
   if config.quantized_gradients and config.stage == 0:
     raise ValueError(
         "ZeroConfig.quantized_gradients needs stage >= 1: stage 0 "
@@ -70,3 +72,40 @@ def check_combinations(config: Any) -> None:
     raise ValueError("ZeroConfig.update_on='host' runs the update where "
                      "offloaded state lives: set offload_optimizer='host' "
                      "or offload_params='host' too")
+
+
+def _check_global(config: Any) -> None:
+  """Raises where ``loss_scope="global"`` meets a field it does not yet
+  carry: naming the field and both fixes."""
+  unsupported = {
+      "offload_optimizer": config.offload_optimizer is not None,
+      "offload_params": config.offload_params is not None,
+      "update_on": config.update_on != "device",
+      "hpz_partition_size": config.hpz_partition_size > 1,
+      "quantized_weights": config.quantized_weights,
+      "quantized_gradients": config.quantized_gradients,
+      "partition_activations": config.partition_activations,
+      "prefetch": config.prefetch is True,
+      "grad_accum_steps": (config.grad_accum_steps or 1) > 1,
+  }
+  asked = [name for name, on in unsupported.items() if on]
+  if (config.compute_dtype in ("bfloat16", "float16")
+      and config.reduce_dtype != config.compute_dtype):
+    # The compiler sums each gradient where its weight-gradient matmul
+    # leaves it, in the compute dtype; the per-device step's float32 sums
+    # of 16-bit gradients are its own collectives.
+    raise ValueError(
+        f"ZeroConfig.loss_scope='global' sums gradients across devices in "
+        f"the compute dtype ({config.compute_dtype}), by the compiler's own "
+        f"reduce-scatter, not in float32 (got reduce_dtype="
+        f"{config.reduce_dtype!r}): pass reduce_dtype="
+        f"{config.compute_dtype!r} to accept that, compute_dtype=None for "
+        "float32 throughout, or loss_scope='per_device', whose 16-bit "
+        "gradients are summed in float32.")
+  if asked:
+    values = ", ".join(f"{n}={getattr(config, n)!r}" for n in asked)
+    raise ValueError(
+        f"ZeroConfig.loss_scope='global' does not yet run with {values}: "
+        "leave those at their defaults for a loss with one device's "
+        "meaning, or use loss_scope='per_device' (the loss averaged over "
+        "the devices' slices of the batch, DeepSpeed's meaning).")

@@ -16,6 +16,8 @@ from zero_jax.config._remat import REMAT_POLICIES, RematPolicy, check_remat
 
 # The ZeRO stages: 0 (plain data parallelism) to 3.
 STAGES = (0, 1, 2, 3)
+# What loss_fn's value means (ZeroConfig.loss_scope).
+LOSS_SCOPES = ("per_device", "global")
 _COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Counters the loss scaler and the skip logic keep on the device are int32.
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -216,6 +218,14 @@ class ZeroConfig:
       gathers read that copy and never leave the group. Exact (the same
       float32 sums: over the group, then across groups). Not with
       offload, prefetch or a ``model`` axis.
+    loss_scope: what ``loss_fn``'s value means. ``"per_device"`` (for
+      now the default): the mean of ``loss_fn`` over the devices' slices of
+      the batch, DeepSpeed's meaning. ``"global"``: one device's, given the
+      whole global batch (padded token means, in-batch negatives, batch
+      statistics), its collectives left to the compiler on the same
+      layout; with a 16-bit ``compute_dtype``, ``reduce_dtype`` must name
+      it. Not yet with accumulation, offload, hpZ, ZeRO++, Pa or
+      ``prefetch=True`` (docs/usage.md).
 
   Raises:
     ValueError: on construction, when a field has the wrong type (ints must
@@ -254,6 +264,7 @@ class ZeroConfig:
   quantized_gradients: bool = False
   prefetch: bool | str = "auto"
   hpz_partition_size: int = 1
+  loss_scope: str = "per_device"
 
   def __post_init__(self):
     self._check_fields()
@@ -406,6 +417,10 @@ class ZeroConfig:
                 fix="it is the devices per hpZ group (one node), the "
                 "'data' axis of make_mesh(replica=devices // size); 1 "
                 "turns hpZ off.")
+    self._check("loss_scope", check_choice, LOSS_SCOPES,
+                "'per_device' averages loss_fn over the devices' slices "
+                "(DeepSpeed's meaning); 'global' means what loss_fn means "
+                "on one device given the whole batch.")
 
   @property
   def dynamic_loss_scale(self) -> bool:

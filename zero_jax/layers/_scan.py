@@ -97,6 +97,20 @@ def _prefetches(prefetch: Prefetch, policy: Any, makers: list[Any]) -> bool:
   return True
 
 
+def _split_over_batch(carry: Any, sharding: Any) -> Any:
+  """Each leaf of ``carry`` whose leading dimension divides over the batch
+  axes, constrained to ``sharding`` there (the compiler would otherwise be
+  free to gather activations rather than parameters)."""
+  n = sharding.num_devices // dict(sharding.mesh.shape).get("model", 1)
+
+  def split(x):
+    if not getattr(x, "ndim", 0) or x.shape[0] % n:
+      return x
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+  return jax.tree.map(split, carry)
+
+
 def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
                 *, remat: str | None = None,
                 remat_names: tuple[str, ...] | None = None
@@ -157,6 +171,8 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
     # The layer input: saved for backward (remat "full"), or moved to host
     # under this name; split over ``model`` first with Pa.
     carry = jax.tree.map(lambda x: checkpoint_name(x, LAYER_INPUT), carry)
+    if context.batch_sharding is not None:
+      carry = _split_over_batch(carry, context.batch_sharding)
     layer = []
     for how, s in zip(makers, sliced):
       if how is None:

@@ -220,8 +220,11 @@ class Placement:
     # Stage 2 gathering the master's shards in forward instead of keeping
     # a compute copy (FSDP's SHARD_GRAD_OP): only where nothing streams the
     # state, and once per step, as the post-update gather it replaces.
+    # (Not with a loss of global meaning, whose collectives are the
+    # compiler's: stage 2 keeps its replicated copy there.)
     gathers_master = (stage == 2 and cd is not None and not offload_opt
-                    and config.prefetch is not False)
+                      and config.prefetch is not False
+                      and config.loss_scope == "per_device")
     if gathers_master and grad_accum_steps > 1:
       if config.prefetch is True:
         raise ValueError(

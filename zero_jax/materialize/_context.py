@@ -42,6 +42,10 @@ class LossContext:
     partition_activations: ``ZeroConfig.partition_activations``.
     prefetch: whether scanned layers are gathered one layer ahead
       (``ZeroConfig.prefetch`` as the layout decided it).
+    batch_sharding: with a loss of global meaning, the batch's sharding:
+      ``zero_jax.scan_layers`` keeps each layer's input split so along its
+      leading (batch) dimension, where the compiler places every
+      collective (None: inside the per-device step).
     seen: filled while tracing: the units run, ``{name: calls}``.
   """
 
@@ -53,6 +57,7 @@ class LossContext:
   layer_classes: tuple[str, ...] | None = None
   partition_activations: bool = False
   prefetch: Prefetch = Prefetch.OFF
+  batch_sharding: Any = None
   seen: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -61,11 +66,12 @@ class LossContext:
          units: tuple[Any, ...] = (),
          layer_classes: tuple[str, ...] | None = None,
          partition_activations: bool = False,
-         prefetch: Prefetch = Prefetch.OFF) -> "LossContext":
+         prefetch: Prefetch = Prefetch.OFF,
+         batch_sharding: Any = None) -> "LossContext":
     """The context for these handed-over parameters."""
     return cls({id(p.array): p for p in params}, remat, tuple(remat_names),
                tuple(jax.tree.leaves(full)), tuple(units), layer_classes,
-               partition_activations, prefetch)
+               partition_activations, prefetch, batch_sharding)
 
   def unit_of(self, leaves: list[Any]) -> Any:
     """The unit whose parameters are exactly ``leaves`` (the arrays handed

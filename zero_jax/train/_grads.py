@@ -219,6 +219,9 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
   Returns:
     ``(grads, loss, aux)``: loss and aux averaged over devices.
   """
+  if layout.config.loss_scope == "global":
+    return _global_loss_and_grads(layout, loss, params, compute_params,
+                                  batch, rng, scale, seen)
   pl = layout.placement
   cfg = layout.config
   axes = layout.batch.axes
@@ -301,3 +304,56 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
                      out_specs=(grad_specs, P(), P()),
                      axis_names=set(axes))
   return fn(params, compute_params, batch, rng, scale)
+
+
+def _global_loss_and_grads(layout, loss: Loss, params: Any,
+                           compute_params: Any, batch: Any, rng: jax.Array,
+                           scale: jax.Array | None,
+                           seen: dict[str, int] | None = None):
+  """``loss_and_grads`` for a loss of global meaning
+  (``ZeroConfig.loss_scope="global"``).
+
+  ``loss_fn`` runs once, over the global batch, as plain ``jax.jit`` code
+  on the layout's own arrays: what forward reads (the fp32 master shards at
+  stage 3, the replicated compute copy at stages 0-2), cast to the compute
+  dtype where they are read. Every collective is the compiler's (GSPMD's,
+  as in MaxText's FSDP): it gathers a sharded parameter where the loss
+  uses it and reduce-scatters its gradient into the shard, and all-reduces
+  a replicated one's. The loss's own reductions over the batch (a masked
+  mean's count, a contrastive loss's negatives, a batch statistic) are
+  therefore over the whole batch, as on one device. The explicit regions
+  of the per-device step cannot carry this on jax 0.10-0.12: a gather
+  typed ``reduced`` loses its type through a slice or a cast and the
+  gradient comes out N times too large (``experiments/loss_regions.py``).
+  One micro-batch a step (``Layout`` refuses more).
+  """
+  pl = layout.placement
+  cfg = layout.config
+  source = compute_params if pl.compute_copy else params
+  # What is differentiated: what forward reads, in its own layout and in
+  # the dtype its gradient is summed in.
+  wrt = jax.tree.map(lambda x: x.astype(pl.reduce_dtype or jnp.float32),
+                     source)
+
+  def loss_of_wrt(wrt):
+    full = jax.tree.map(lambda x: materialize.cast(x, pl.compute_dtype), wrt)
+    context = materialize.LossContext.of(
+        [], layout.remat, cfg.remat_names, full=full, units=layout.units,
+        layer_classes=cfg.layer_classes,
+        batch_sharding=layout.batch.sharding)
+    with materialize.handing_over(context), layers.intercepting(context):
+      value, aux = loss(full, batch, rng)
+    if seen is not None:
+      seen.update(context.seen)
+    return (value if scale is None else value * scale), (value, aux)
+
+  g, (value, aux) = jax.grad(loss_of_wrt, has_aux=True)(wrt)
+  plan = layout.param_plan
+  out = pl.host_grad_dtype or jnp.float32
+  # Into the update's layout: the compiler sums each gradient there
+  # (reduce-scatter, or all-reduce of a replicated one).
+  g = jax.tree.map(
+      lambda x, sharding: jax.lax.with_sharding_constraint(x.astype(out),
+                                                           sharding),
+      g, plan.shardings if pl.grads_sharded else plan.replicated_shardings)
+  return g, value, aux

@@ -177,11 +177,13 @@ def decide_prefetch(config: ZeroConfig, placement: Placement, mesh: Mesh,
   refused what it cannot honour), off, or, for ``"auto"``, on where it is
   built and measured: stage 3 gathering from the float32 master, or stage
   2 gathering it and keeping it (``Placement.keeps_gathered``), remat
-  ``full``, no Pa, hpZ or ``model`` axis, over more than one device."""
+  ``full``, no Pa, hpZ or ``model`` axis, over more than one device, and
+  a loss of per-device meaning (``loss_scope``; with a global one each
+  layer is gathered where it is used)."""
   if config.prefetch is True:
     return Prefetch.ON
   shape = dict(mesh.shape)
-  if (config.prefetch == "auto"
+  if (config.prefetch == "auto" and config.loss_scope == "per_device"
       and placement.materialize is Materialize.GATHER
       and remat is RematPolicy.FULL and not config.partition_activations
       and config.hpz_partition_size == 1 and shape.get(MODEL, 1) == 1
@@ -324,6 +326,13 @@ class Layout:
     check_mesh(mesh)
     hierarchical = check_hpz(config, mesh)
     batch = batch or BatchLayout.of(config, mesh)
+    if config.loss_scope == "global" and batch.grad_accum_steps > 1:
+      raise ValueError(
+          f"ZeroConfig.loss_scope='global' does not yet split a step into "
+          f"micro-batches (the batch sizes give grad_accum_steps="
+          f"{batch.grad_accum_steps}): give the whole global batch to each "
+          "step (micro_batch_size = train_batch_size / devices), or use "
+          "loss_scope='per_device'.")
     pl = placement or Placement.of(config, batch.grad_accum_steps)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
       if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -1,0 +1,292 @@
+"""``ZeroConfig(loss_scope="global")``: the loss means what it means on one
+device given the whole global batch, at every stage and mesh.
+
+Each loss here is written as users write it and is *not* an equal-weight
+mean of per-example terms, so averaging it over the devices' slices
+(``loss_scope="per_device"``, DeepSpeed's meaning) trains something else:
+- a padded token mean, ``sum(ce * mask) / sum(mask)``, with uneven valid
+  tokens and devices whose rows are all padding;
+- an in-batch contrastive loss (every other row of the batch is a
+  negative);
+- a loss with a batch-statistic term (an MoE-style load-balancing loss
+  built from batch means);
+- the reference GPT with padding (scanned layers, gathered one at a time).
+
+Each trains four steps against ``jax.grad`` + optax on one device over the
+same global batches; losses and parameters agree to 1e-5 relative. The grid
+(loss x stage x mesh) runs pairwise by default and whole under ``-m
+exhaustive``.
+"""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import zero_jax as zj
+from tests import _models as m
+from tests._gpu import compiles_for_gpus
+from tests.analysis._shared import compile_gpt
+
+STEPS = 4
+BATCH = 32
+D, H, E = 16, 32, 4
+MESHES = {"data": {}, "replica": {"replica": 2}, "model": {"model": 2}}
+# Rows of the batch that are all padding: the first 8, so that on every
+# mesh here the first device's slice (and on 8 devices the second's) holds
+# no valid token.
+PAD_ROWS = 8
+
+
+def _mlp_params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"w1": (0.3 * rng.standard_normal((D, H))).astype(np.float32),
+          "b1": (0.1 * rng.standard_normal((H,))).astype(np.float32),
+          "w2": (0.3 * rng.standard_normal((H, D))).astype(np.float32),
+          "router": (0.3 * rng.standard_normal((D, E))).astype(np.float32)}
+
+
+# The MLP's tensor-parallel split (Megatron's column then row), for the
+# mesh with a ``model`` axis.
+_MLP_SPECS = {"w1": P(None, "model"), "b1": P("model"),
+              "w2": P("model", None), "router": P()}
+
+
+def _hidden(p, x):
+  return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def masked_mean(p, batch):
+  """A padded token mean: per-row errors weighted by the mask, divided by
+  the global count of valid rows."""
+  err = jnp.sum((_hidden(p, batch["x"]) - batch["x"]) ** 2, -1)
+  return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def contrastive(p, batch):
+  """InfoNCE over the batch: row i's positive is its own second view, every
+  other row's is a negative."""
+  a = _hidden(p, batch["x"])
+  b = _hidden(p, batch["x"] + 0.1 * batch["noise"])
+  a = a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+  b = b / jnp.linalg.norm(b, axis=-1, keepdims=True)
+  logits = a @ b.T / 0.5
+  labels = jnp.arange(logits.shape[0])
+  return optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                         labels).mean()
+
+
+def balanced(p, batch):
+  """A reconstruction mean plus Switch's load-balancing loss, whose
+  fractions of rows per expert and mean router probabilities are batch
+  means."""
+  probs = jax.nn.softmax(batch["x"] @ p["router"], axis=-1)
+  chosen = jax.nn.one_hot(jnp.argmax(probs, -1), E)
+  frac = jax.lax.stop_gradient(jnp.mean(chosen, axis=0))
+  balance = E * jnp.sum(frac * jnp.mean(probs, axis=0))
+  gate = jnp.sum(probs * chosen, -1, keepdims=True)
+  err = jnp.mean(jnp.sum((gate * _hidden(p, batch["x"]) - batch["x"]) ** 2,
+                         -1))
+  return err + 0.1 * balance
+
+
+def _mlp_batches(seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(STEPS):
+    mask = (rng.random(BATCH) < 0.5).astype(np.float32)
+    mask[:PAD_ROWS] = 0
+    mask[-1] = 1  # at least one valid row
+    out.append({"x": rng.standard_normal((BATCH, D)).astype(np.float32),
+                "noise": rng.standard_normal((BATCH, D)).astype(np.float32),
+                "mask": mask})
+  return out
+
+
+@functools.cache
+def _gpt():
+  """The reference GPT (scanned layers) with a padded token mean."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from zero_jax.models import GPT, GPTConfig  # pylint: disable=g-import-not-at-top
+
+  cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2,
+                  n_heads=4)
+  graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    tokens = batch["tokens"]
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        model(tokens[:, :-1]).astype(jnp.float32), tokens[:, 1:])
+    mask = batch["mask"]
+    return jnp.sum(ce * mask) / jnp.sum(mask)
+
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(STEPS):
+    tokens = rng.integers(0, 64, size=(BATCH, cfg.seq_len + 1),
+                          dtype=np.int32)
+    # Each row's valid length; padded rows and the tails of short rows
+    # weigh nothing.
+    lengths = rng.integers(0, cfg.seq_len + 1, size=BATCH)
+    lengths[:PAD_ROWS] = 0
+    lengths[-1] = cfg.seq_len
+    mask = (np.arange(cfg.seq_len)[None] < lengths[:, None])
+    batches.append({"tokens": tokens, "mask": mask.astype(np.float32)})
+  return loss_fn, params, batches
+
+
+def _setup(loss):
+  if loss == "gpt":
+    return _gpt()
+  fn = {"masked_mean": masked_mean, "contrastive": contrastive,
+        "balanced": balanced}[loss]
+  return fn, _mlp_params(), _mlp_batches()
+
+
+LOSSES = ["masked_mean", "contrastive", "balanced", "gpt"]
+STAGES = [0, 1, 2, 3]
+
+
+def _tx():
+  return optax.adam(1e-2)
+
+
+@functools.cache
+def _reference(loss):
+  loss_fn, params, batches = _setup(loss)
+  return m.train_reference(loss_fn, _tx(), params, batches)
+
+
+def _engine(loss, stage, mesh, scope="global"):
+  loss_fn, params, batches = _setup(loss)
+  specs = (_MLP_SPECS if mesh == "model" and loss != "gpt" else None)
+  engine = zj.Engine(loss_fn, _tx(),
+                     zj.ZeroConfig(stage=stage, min_shard_elements=0,
+                                   loss_scope=scope),
+                     zj.make_mesh(**MESHES[mesh]), model_specs=specs)
+  return engine, params, batches
+
+
+def _pairwise():
+  """Every (loss, stage) pair once, the meshes in turn, so that each mesh
+  meets every loss and every stage."""
+  meshes = list(MESHES)
+  default = {(loss, stage, meshes[(i + j) % len(meshes)])
+             for i, loss in enumerate(LOSSES)
+             for j, stage in enumerate(STAGES)}
+  return [pytest.param(*c, marks=() if c in default else
+                       pytest.mark.exhaustive)
+          for c in itertools.product(LOSSES, STAGES, meshes)]
+
+
+@pytest.mark.parametrize("loss,stage,mesh", _pairwise())
+def test_global_loss_trains_as_one_device(loss, stage, mesh):
+  """One step and four equal ``jax.grad`` + optax on one device over the
+  global batch: the loss each step reports, and the parameters."""
+  engine, params, batches = _engine(loss, stage, mesh)
+  losses, out, _ = m.train_engine(engine, params, batches)
+  ref_losses, ref_params = _reference(loss)
+  assert all(np.isfinite(losses)), losses
+  # Step 1's loss is the first parameters' (the same for both); the
+  # parameters after four steps carry every step's gradient.
+  m.assert_matches(losses, out, ref_losses, ref_params)
+
+
+def test_the_default_per_device_loss_is_another_loss():
+  """What ``loss_scope="global"`` fixes: averaged per device, the masked
+  mean divides each slice by its own count (NaN where a device holds only
+  padding), and the contrastive loss sees only its own slice's
+  negatives."""
+  for loss in ("masked_mean", "contrastive"):
+    engine, params, batches = _engine(loss, 3, "data", scope="per_device")
+    state, metrics = engine.step(engine.init(params), batches[0])
+    ref = float(_reference(loss)[0][0])
+    value = float(metrics["loss"])
+    assert not abs(value - ref) <= 1e-3 * abs(ref), (loss, value, ref)
+
+
+def test_aux_and_the_key_are_the_whole_batchs():
+  """``has_aux``: ``metrics["aux"]`` is the aux of the whole batch (here the
+  global count of valid rows); ``with_rng``: the loss gets the step's one
+  key, so a random mask matches one device's with that key."""
+
+  def loss_fn(p, batch, key):
+    keep = jax.random.bernoulli(key, 0.7, batch["mask"].shape)
+    weight = batch["mask"] * keep
+    err = jnp.sum((_hidden(p, batch["x"]) - batch["x"]) ** 2, -1)
+    return jnp.sum(err * weight) / jnp.sum(weight), jnp.sum(batch["mask"])
+
+  params, batch = _mlp_params(), _mlp_batches()[0]
+  engine = zj.Engine(loss_fn, _tx(),
+                     zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                   loss_scope="global"),
+                     zj.make_mesh(), has_aux=True, with_rng=True)
+  state = engine.init(params)
+  key = jax.random.fold_in(state.rng, state.step)
+  want, count = loss_fn(params, batch, key)
+  _, metrics = engine.step(state, batch)
+  assert float(metrics["aux"]) == float(count) == float(batch["mask"].sum())
+  assert abs(float(metrics["loss"]) - float(want)) <= 1e-6 * abs(float(want))
+
+
+@compiles_for_gpus
+def test_compiled_for_h100s_the_global_step_moves_zeros_bytes():
+  """Compiled for 8 H100s (the reference GPT, bf16, stage 3), the global
+  loss's step gathers each parameter and reduce-scatters its gradient as
+  the per-device step does, with the same kinds and bytes within 1% and a
+  peak within 2%; no gradient is all-reduced (the one all-reduce of each
+  is the gradient norm's or the loss's few scalars)."""
+  kw = dict(layers=4, hidden=256, heads=4, vocab=4096, seq_len=256,
+            micro_batch=2, attention="auto", reduce_dtype="bfloat16")
+  _, per_device = compile_gpt("h100", 8, 3, overrides={"prefetch": False},
+                              **kw)
+  _, global_ = compile_gpt("h100", 8, 3,
+                           overrides={"loss_scope": "global"}, **kw)
+  for kind in ("all-gather", "reduce-scatter"):
+    want = per_device.collective_bytes(kind)
+    assert want > 0, kind
+    assert abs(global_.collective_bytes(kind) - want) <= 0.01 * want, (
+        kind, global_.collectives, per_device.collectives)
+  assert global_.collective_bytes("all-to-all") == 0, global_.collectives
+  assert global_.collective_bytes("all-reduce") < 2**16, global_.collectives
+  assert global_.memory.peak <= 1.02 * per_device.memory.peak, (
+      global_.memory, per_device.memory)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("grad_accum_steps", 2), ("offload_optimizer", "host"),
+    ("hpz_partition_size", 2), ("quantized_gradients", True),
+    ("prefetch", True), ("compute_dtype", "bfloat16")])
+def test_what_the_global_loss_does_not_yet_run_with_is_refused(field,
+                                                               value):
+  """Each combination not yet built is an error naming both fixes, never
+  a silent fallback to the per-device meaning."""
+  kw = {"stage": 3, "loss_scope": "global", field: value}
+  with pytest.raises(ValueError, match=r"loss_scope='per_device'") as e:
+    zj.ZeroConfig(**kw)
+  # (A 16-bit compute dtype names reduce_dtype, the field to set.)
+  assert (field if field != "compute_dtype" else "reduce_dtype") in str(
+      e.value)
+
+
+def test_accumulation_from_the_batch_sizes_is_refused():
+  params = _mlp_params()
+  engine = zj.Engine(masked_mean, _tx(),
+                     zj.ZeroConfig(stage=2, loss_scope="global",
+                                   train_batch_size=BATCH,
+                                   micro_batch_size=BATCH // 16),
+                     zj.make_mesh())
+  with pytest.raises(ValueError, match=r"grad_accum_steps=2"):
+    engine.init(params)
+
+
+def test_loss_scope_is_checked():
+  with pytest.raises(ValueError, match=r"loss_scope.*'global'"):
+    zj.ZeroConfig(loss_scope="globl")
