@@ -10,7 +10,7 @@ mean of per-example terms, so averaging it over the devices' slices
   negative);
 - a loss with a batch-statistic term (an MoE-style load-balancing loss
   built from batch means);
-- the reference GPT with padding (scanned layers, gathered one at a time).
+- the reference GPT with padding (its layers scanned by ``scan_layers``).
 
 Each trains four steps against ``jax.grad`` + optax on one device over the
 same global batches; losses and parameters agree to 1e-5 relative. The grid
