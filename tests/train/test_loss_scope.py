@@ -229,6 +229,7 @@ def test_aux_and_the_key_are_the_whole_batchs():
                                    loss_scope="global"),
                      zj.make_mesh(), has_aux=True, with_rng=True)
   state = engine.init(params)
+  assert "loss: global" in engine.describe()
   key = jax.random.fold_in(state.rng, state.step)
   want, count = loss_fn(params, batch, key)
   _, metrics = engine.step(state, batch)

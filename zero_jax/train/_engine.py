@@ -20,7 +20,7 @@ from zero_jax.config import RematPolicy, ZeroConfig
 from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
                              Prefetch, model_specs)
 from zero_jax.train import _auto_remat, _init
-from zero_jax.train._grads import Loss
+from zero_jax.train._grads import Loss, describe_loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
                                     signature)
 from zero_jax.train._runner import StepFunction
@@ -349,6 +349,7 @@ class Engine:
     lines.append(f"optimizer state: {len(layout.opt_plan.rows())} leaves, "
                  f"{n_rep} replicated (scalars, small or indivisible)")
     lines.extend(pl.describe())
+    lines.append(describe_loss(cfg, pl))
     lines.extend(layout.update.describe(layout))
     if cfg.remat is RematPolicy.AUTO:
       lines.append(self.remat_reason or "remat auto: chosen when the step is "
@@ -361,6 +362,9 @@ class Engine:
       lines.append(f"prefetch ({cfg.prefetch}): each scanned layer is "
                    "gathered while the one before it runs, forward and "
                    "backward")
+    elif cfg.prefetch == "auto" and cfg.loss_scope == "global":
+      lines.append("prefetch (auto): off; with loss_scope='global' the "
+                   "compiler places every gather")
     elif cfg.prefetch == "auto":
       lines.append("prefetch (auto): off; it needs stage 3 gathering from "
                    "the float32 master, or stage 2 with a compute_dtype, "

@@ -306,6 +306,17 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
   return fn(params, compute_params, batch, rng, scale)
 
 
+def describe_loss(config: Any, placement: Placement) -> str:
+  """``Engine.describe``'s line on what ``loss_fn``'s value means."""
+  if config.loss_scope == "per_device":
+    return ("loss: per device (loss_fn on each device's slice of the "
+            "batch, averaged: DeepSpeed's meaning)")
+  summed = jnp.dtype(placement.reduce_dtype or jnp.float32).name
+  return ("loss: global (loss_fn once over the whole batch: one device's "
+          f"meaning; every collective the compiler's, gradients summed in "
+          f"{summed})")
+
+
 def _global_loss_and_grads(layout, loss: Loss, params: Any,
                            compute_params: Any, batch: Any, rng: jax.Array,
                            scale: jax.Array | None,
