@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from zero_jax import layers, materialize
 from zero_jax.layout import (DATA, MODEL, ComputeCopy, Prefetch, UpdateKind,
                              flat, plan_leaf)
-from zero_jax.train import _init, _loss_scale
+from zero_jax.train import _grads, _init, _loss_scale
 from zero_jax.train._state import TrainState, compute_copy, on_device
 
 
@@ -254,6 +254,16 @@ class UpdateStrategy(Protocol):
     """``Engine.describe()``'s lines on the update."""
 
 
+def compiler_options(layout) -> dict[str, Any] | None:
+  """The XLA options the step is compiled with: prefetch's, or the global
+  loss's (``_grads.GLOBAL_LOSS_COMPILER_OPTIONS``), or none."""
+  if layout.prefetch is not Prefetch.OFF:
+    return layers.PREFETCH_COMPILER_OPTIONS
+  if layout.config.loss_scope == "global":
+    return _grads.GLOBAL_LOSS_COMPILER_OPTIONS
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class OnDevice:
   """The update on whole (sharded) arrays in device memory."""
@@ -266,9 +276,7 @@ class OnDevice:
     r = layout.replicated
     return jax.jit(fn, donate_argnums=0,
                    out_shardings=(layout.state_shardings, r, r),
-                   compiler_options=(layers.PREFETCH_COMPILER_OPTIONS
-                                     if layout.prefetch is not Prefetch.OFF
-                                     else None))
+                   compiler_options=compiler_options(layout))
 
   def finish(self, layout, state, grads, metrics):
     prepared = prepare(layout, grads, state.step, state.loss_scale,
