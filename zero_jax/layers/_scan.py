@@ -19,6 +19,7 @@ drops it.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable
 
@@ -101,7 +102,10 @@ def _split_over_batch(carry: Any, sharding: Any) -> Any:
   """Each leaf of ``carry`` whose leading dimension divides over the batch
   axes, constrained to ``sharding`` there (the compiler would otherwise be
   free to gather activations rather than parameters)."""
-  n = sharding.num_devices // dict(sharding.mesh.shape).get("model", 1)
+  # (The batch is split over the axes of the spec's leading entry.)
+  lead = sharding.spec[0] if len(sharding.spec) else None
+  axes = (lead,) if isinstance(lead, str) else tuple(lead or ())
+  n = math.prod(dict(sharding.mesh.shape)[a] for a in axes)
 
   def split(x):
     if not getattr(x, "ndim", 0) or x.shape[0] % n:
