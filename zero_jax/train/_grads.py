@@ -310,8 +310,9 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
 # effect elsewhere): two collectives in flight, so that the compiler's
 # gradient reduce-scatters overlap the next layer's backward gemms
 # (compiled for 8 H100s, 1.3B GPT: 93% of their bytes, against none with
-# XLA's default of one, at commit 8701421); its gathers are left uncombined, which keeps
-# their overlap (experiments/results/stage3_global_loss_h100.md).
+# XLA's default of one, at commit 8701421); its gathers are left
+# uncombined, which keeps their overlap
+# (experiments/results/stage3_global_loss_h100.md).
 GLOBAL_LOSS_COMPILER_OPTIONS = {
     "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
 }
