@@ -55,6 +55,7 @@ _BAD = {
     "prefetch": [1, 0, "yes", None],
     "hpz_partition_size": [0, -8, 8.0, "8", True, None],
     "loss_scope": ["globl", "", None, True, 1],
+    "accumulation": ["whole", "per_micro_batch", True, 1],
 }
 # Fields that only make sense next to others: without these the error would
 # be about the combination, not about the value under test.
@@ -148,9 +149,9 @@ def test_new_fields():
   assert cfg.skip_nonfinite is True and cfg.max_consecutive_skips == 10
   names = [f.name for f in dataclasses.fields(zj.ZeroConfig)]
   assert names.index("skip_nonfinite") == names.index("delay_update") + 1
-  assert names[-6:] == ["max_consecutive_skips", "quantized_weights",
+  assert names[-7:] == ["max_consecutive_skips", "quantized_weights",
                         "quantized_gradients", "prefetch",
-                        "hpz_partition_size", "loss_scope"]
+                        "hpz_partition_size", "loss_scope", "accumulation"]
   cfg = zj.ZeroConfig(skip_nonfinite=False, max_consecutive_skips=1)
   assert (cfg.skip_nonfinite, cfg.max_consecutive_skips) == (False, 1)
   with pytest.raises(ValueError, match="max_consecutive_skips.*>= 1|"

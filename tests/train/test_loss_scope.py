@@ -251,7 +251,7 @@ def test_compiled_for_h100s_the_global_step_moves_zeros_bytes():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("grad_accum_steps", 2), ("offload_optimizer", "host"),
+    ("offload_optimizer", "host"),
     ("hpz_partition_size", 2), ("quantized_gradients", True),
     ("prefetch", True), ("compute_dtype", "bfloat16")])
 def test_what_the_global_loss_does_not_yet_run_with_is_refused(field,
@@ -266,17 +266,157 @@ def test_what_the_global_loss_does_not_yet_run_with_is_refused(field,
       e.value)
 
 
-def test_accumulation_from_the_batch_sizes_is_refused():
-  params = _mlp_params()
+def _count(batch):
+  return batch["mask"].sum()
+
+
+def _accumulating(loss, stage, mesh, weight=None, **config):
+  loss_fn, params, batches = _setup(loss)
+  specs = (_MLP_SPECS if mesh == "model" and loss != "gpt" else None)
+  engine = zj.Engine(loss_fn, _tx(),
+                     zj.ZeroConfig(stage=stage, min_shard_elements=0,
+                                   loss_scope="global", **config),
+                     zj.make_mesh(**MESHES[mesh]), model_specs=specs,
+                     loss_weight=weight)
+  return engine, params, batches
+
+
+@pytest.mark.parametrize("loss,stage,mesh,accum", [
+    ("masked_mean", 1, "replica", 2), ("masked_mean", 3, "model", 2),
+    ("gpt", 3, "data", 2), ("gpt", 2, "replica", 2)])
+def test_a_masked_mean_over_micro_batches_weighed_by_its_count_is_exact(
+    loss, stage, mesh, accum):
+  """With ``loss_weight`` (each micro-batch's count of valid rows or
+  tokens), the micro-batches train the whole batch's masked mean: four
+  steps equal one device's on the global batch. The batches hold devices
+  and micro-batches with no valid row (weight 0, their own mean NaN), which
+  weigh nothing."""
+  engine, params, batches = _accumulating(loss, stage, mesh, _count,
+                                          grad_accum_steps=accum)
+  losses, out, _ = m.train_engine(engine, params, batches)
+  ref_losses, ref_params = _reference(loss)
+  m.assert_matches(losses, out, ref_losses, ref_params)
+  assert ("whole batch's loss from 2 micro-batches weighed by loss_weight, "
+          "checked" in engine.describe())
+
+
+def test_a_micro_batch_with_no_valid_row_weighs_nothing():
+  """The first micro-batch (the first rows of every device's slice) holds
+  no valid row: its mean is 0/0, and the step is still the whole batch's,
+  finite and not skipped."""
+  params, batches = _mlp_params(), _mlp_batches(seed=1)
+  per_device = BATCH // 8
+  for b in batches:
+    rows = np.arange(BATCH).reshape(8, 2, per_device // 2)
+    b["mask"][rows[:, 0].ravel()] = 0
   engine = zj.Engine(masked_mean, _tx(),
-                     zj.ZeroConfig(stage=2, loss_scope="global",
-                                   train_batch_size=BATCH,
-                                   micro_batch_size=BATCH // 16),
+                     zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                   loss_scope="global", grad_accum_steps=2),
+                     zj.make_mesh(), loss_weight=_count)
+  losses, out, state = m.train_engine(engine, params, batches)
+  ref_losses, ref_params = m.train_reference(masked_mean, _tx(), params,
+                                             batches)
+  m.assert_matches(losses, out, ref_losses, ref_params)
+  assert int(state.step) == STEPS and int(state.loss_scale.skipped) == 0
+
+
+@pytest.mark.parametrize("loss,weight,stage,mesh", [
+    ("masked_mean", None, 0, "model"), ("contrastive", None, 2, "data"),
+    ("contrastive", _count, 3, "replica"), ("balanced", None, 1, "data"),
+    ("balanced", _count, 3, "model"), ("gpt", None, 3, "data")])
+def test_a_loss_that_does_not_split_is_refused_at_the_first_step(
+    loss, weight, stage, mesh):
+  """A masked mean without its weight, in-batch negatives and a batch
+  statistic (with or without a weight) do not split into micro-batches:
+  the first step refuses them, naming every fix, and runs nothing."""
+  engine, params, batches = _accumulating(loss, stage, mesh, weight,
+                                          grad_accum_steps=2)
+  state = engine.init(params)
+  with pytest.raises(ValueError, match=r"does not split into "
+                     r"grad_accum_steps=2 micro-batches") as e:
+    engine.step(state, batches[0])
+  for fix in ("loss_weight", "grad_accum_steps=1",
+              "accumulation='mean_of_micro_batches'"):
+    assert fix in str(e.value)
+  # (Refused before the step ran: the state was not donated.)
+  assert int(state.step) == 0
+
+
+def test_deepspeeds_mean_of_micro_batches_is_an_explicit_choice():
+  """``accumulation="mean_of_micro_batches"``: each micro-batch's loss
+  (over its rows on every device) weighs the same, unchecked: one device
+  training that mean, the micro-batches cut as the engine cuts them."""
+  params, batches = _mlp_params(), _mlp_batches()
+
+  def cut(batch, i):
+    return jax.tree.map(
+        lambda x: x.reshape(8, 2, -1, *x.shape[1:])[:, i].reshape(
+            -1, *x.shape[1:]), batch)
+
+  def mean_of_micro_batches(p, batch):
+    return (contrastive(p, cut(batch, 0)) + contrastive(p, cut(batch, 1))) / 2
+
+  engine = zj.Engine(contrastive, _tx(),
+                     zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                   loss_scope="global", grad_accum_steps=2,
+                                   accumulation="mean_of_micro_batches"),
                      zj.make_mesh())
-  with pytest.raises(ValueError, match=r"grad_accum_steps=2"):
-    engine.init(params)
+  losses, out, _ = m.train_engine(engine, params, batches)
+  ref_losses, ref_params = m.train_reference(mean_of_micro_batches, _tx(),
+                                             params, batches)
+  m.assert_matches(losses, out, ref_losses, ref_params)
+  assert "DeepSpeed's meaning" in engine.describe()
+
+
+def test_the_accumulations_that_cannot_be_built_are_refused():
+  """Each names its fix: a random loss's split cannot be checked (its
+  draws differ by shape); ``loss_weight`` weighs nothing with a per-device
+  loss or with DeepSpeed's mean; ``"whole_batch"`` needs a global loss."""
+  mesh = zj.make_mesh()
+  cfg = zj.ZeroConfig(stage=3, loss_scope="global", grad_accum_steps=2)
+  with pytest.raises(ValueError, match=r"with_rng.*loss_weight=.*"
+                     r"mean_of_micro_batches"):
+    zj.Engine(lambda p, b, key: masked_mean(p, b), _tx(), cfg, mesh,
+              with_rng=True)
+  # (With a weight, the random loss trains: the user said how it splits.)
+  zj.Engine(lambda p, b, key: masked_mean(p, b), _tx(), cfg, mesh,
+            with_rng=True, loss_weight=_count)
+  with pytest.raises(ValueError, match=r"loss_scope='global'"):
+    zj.Engine(masked_mean, _tx(), zj.ZeroConfig(grad_accum_steps=2), mesh,
+              loss_weight=_count)
+  with pytest.raises(ValueError, match=r"drop one"):
+    zj.Engine(masked_mean, _tx(),
+              zj.ZeroConfig(loss_scope="global", grad_accum_steps=2,
+                            accumulation="mean_of_micro_batches"), mesh,
+              loss_weight=_count)
+  with pytest.raises(ValueError, match=r"needs loss_scope='global'"):
+    zj.ZeroConfig(accumulation="whole_batch")
 
 
 def test_loss_scope_is_checked():
   with pytest.raises(ValueError, match=r"loss_scope.*'global'"):
     zj.ZeroConfig(loss_scope="globl")
+
+
+@compiles_for_gpus
+def test_compiled_for_h100s_micro_batches_move_what_the_per_device_ones_do():
+  """Compiled for 8 H100s (stage 3, two micro-batches), cutting the global
+  batch into micro-batches moves nothing (no all-to-all), and the global
+  loss's step gathers and reduce-scatters the per-device step's bytes
+  within 1%, each micro-batch gathering the parameters again as it does;
+  no gradient is all-reduced."""
+  kw = dict(layers=2, hidden=256, heads=4, vocab=4096, seq_len=256,
+            micro_batch=4, attention="auto", reduce_dtype="bfloat16")
+  _, per_device = compile_gpt(
+      "h100", 8, 3, overrides={"prefetch": False, "grad_accum_steps": 2},
+      **kw)
+  _, global_ = compile_gpt(
+      "h100", 8, 3, overrides={"loss_scope": "global",
+                               "grad_accum_steps": 2}, **kw)
+  for kind in ("all-gather", "reduce-scatter"):
+    want = per_device.collective_bytes(kind)
+    assert want > 0, kind
+    assert abs(global_.collective_bytes(kind) - want) <= 0.01 * want, (
+        kind, global_.collectives, per_device.collectives)
+  assert global_.collective_bytes("all-to-all") == 0, global_.collectives
+  assert global_.collective_bytes("all-reduce") < 2**16, global_.collectives

@@ -58,6 +58,12 @@ def check_combinations(config: Any) -> None:
         "hpz_partition_size=1.")
   if config.loss_scope == "global":
     _check_global(config)
+  elif config.accumulation == "whole_batch":
+    raise ValueError(
+        "ZeroConfig.accumulation='whole_batch' trains loss_fn on the whole "
+        "global batch, which needs loss_scope='global' (got loss_scope="
+        f"{config.loss_scope!r}, whose loss is per device): set "
+        "loss_scope='global', or accumulation=None.")
   if config.quantized_gradients and config.stage == 0:
     raise ValueError(
         "ZeroConfig.quantized_gradients needs stage >= 1: stage 0 "
@@ -86,7 +92,6 @@ def _check_global(config: Any) -> None:
       "quantized_gradients": config.quantized_gradients,
       "partition_activations": config.partition_activations,
       "prefetch": config.prefetch is True,
-      "grad_accum_steps": (config.grad_accum_steps or 1) > 1,
   }
   asked = [name for name, on in unsupported.items() if on]
   if (config.compute_dtype in ("bfloat16", "float16")

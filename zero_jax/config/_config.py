@@ -18,6 +18,8 @@ from zero_jax.config._remat import REMAT_POLICIES, RematPolicy, check_remat
 STAGES = (0, 1, 2, 3)
 # What loss_fn's value means (ZeroConfig.loss_scope).
 LOSS_SCOPES = ("per_device", "global")
+# How a step's micro-batches make its loss (ZeroConfig.accumulation).
+ACCUMULATIONS = (None, "whole_batch", "mean_of_micro_batches")
 _COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Counters the loss scaler and the skip logic keep on the device are int32.
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -224,8 +226,22 @@ class ZeroConfig:
       whole global batch (padded token means, in-batch negatives, batch
       statistics), its collectives left to the compiler on the same
       layout; with a 16-bit ``compute_dtype``, ``reduce_dtype`` must name
-      it. Not yet with accumulation, offload, hpZ, ZeRO++, Pa or
-      ``prefetch=True`` (docs/usage.md).
+      it. Not yet with offload, hpZ, ZeRO++, Pa or ``prefetch=True``
+      (docs/usage.md).
+    accumulation: what a step of several micro-batches
+      (``grad_accum_steps > 1``) trains. None: the loss scope's own
+      meaning (``"whole_batch"`` with a global loss; the mean over
+      devices and micro-batches with a per-device one).
+      ``"whole_batch"`` (global loss only): ``loss_fn`` on the whole
+      global batch, as one device. The micro-batches' losses are combined
+      with the weights of ``Engine(loss_weight=...)`` (equal without
+      one), and the first step checks once, in float32, that the
+      combination equals the whole batch's loss; a loss that does not
+      split so (a masked mean without its weight, in-batch negatives,
+      batch statistics) is refused there with the fix. A ``with_rng``
+      loss, whose random draws differ by shape, cannot be compared and
+      needs ``loss_weight``. ``"mean_of_micro_batches"``: DeepSpeed's
+      meaning, each micro-batch's loss weighing the same, unchecked.
 
   Raises:
     ValueError: on construction, when a field has the wrong type (ints must
@@ -265,6 +281,7 @@ class ZeroConfig:
   prefetch: bool | str = "auto"
   hpz_partition_size: int = 1
   loss_scope: str = "per_device"
+  accumulation: str | None = None
 
   def __post_init__(self):
     self._check_fields()
@@ -421,6 +438,11 @@ class ZeroConfig:
                 "'per_device' averages loss_fn over the devices' slices "
                 "(DeepSpeed's meaning); 'global' means what loss_fn means "
                 "on one device given the whole batch.")
+    self._check("accumulation", check_choice, ACCUMULATIONS,
+                "None follows loss_scope; 'whole_batch' (loss_scope="
+                "'global') trains the whole batch's loss, checked; "
+                "'mean_of_micro_batches' averages the micro-batches' "
+                "losses (DeepSpeed's meaning).")
 
   @property
   def dynamic_loss_scale(self) -> bool:

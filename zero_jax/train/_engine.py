@@ -19,7 +19,7 @@ from zero_jax import layers
 from zero_jax.config import RematPolicy, ZeroConfig
 from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
                              Prefetch, model_specs)
-from zero_jax.train import _auto_remat, _init
+from zero_jax.train import _accumulate, _auto_remat, _init
 from zero_jax.train._grads import Loss, describe_loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
                                     signature)
@@ -66,25 +66,38 @@ class Engine:
       names), else the shardings of the arrays given to ``init``.
     axis_rules: logical axis rules (``(("mlp", "model"), ("embed",
       None), ...)``) for parameters annotated with logical names.
+    loss_weight: with ``ZeroConfig(loss_scope="global")`` and
+      ``grad_accum_steps > 1``: ``loss_weight(micro_batch) -> scalar``,
+      how much a micro-batch weighs in the whole batch's loss, so that
+      their weighed mean is it: a masked or padded token mean's count of
+      valid tokens (``lambda batch: batch["mask"].sum()``; the counts are
+      summed before the first micro-batch, as HuggingFace's
+      ``num_items_in_batch``). None: every micro-batch weighs the same
+      (a per-example mean). Checked against the whole batch at the first
+      step (``ZeroConfig.accumulation``).
 
   Raises:
     ValueError: the mesh has no ``data`` axis or an axis the engine does
       not use, the config's batch sizes contradict each other on this mesh
-      (see ``ZeroConfig.batch_sizes``).
+      (see ``ZeroConfig.batch_sizes``), or ``loss_weight`` weighs nothing
+      the config trains (a per-device loss, DeepSpeed's micro-batch mean),
+      or a ``with_rng`` global loss over micro-batches has none.
   """
 
   def __init__(self, loss_fn: Callable[..., Any],
                tx: optax.GradientTransformation, config: ZeroConfig,
                mesh: Mesh, *, has_aux: bool = False, with_rng: bool = False,
-               model_specs: Any = None, axis_rules: Any = None):
+               model_specs: Any = None, axis_rules: Any = None,
+               loss_weight: Callable[[Any], Any] | None = None):
     check_mesh(mesh)
     self.model_specs = model_specs
     self.axis_rules = axis_rules
-    self.loss = Loss(loss_fn, has_aux, with_rng)
+    self.loss = Loss(loss_fn, has_aux, with_rng, loss_weight)
     self.tx = tx
     self.config = config
     self.mesh = mesh
     self.batch = BatchLayout.of(config, mesh)
+    _accumulate.check_loss(config, self.loss, self.batch.grad_accum_steps)
     # Where master, moments, gradients and the compute copy live, and where
     # the update runs: decided once.
     self.placement = Placement.of(config, self.batch.grad_accum_steps)
@@ -350,6 +363,10 @@ class Engine:
                  f"{n_rep} replicated (scalars, small or indivisible)")
     lines.extend(pl.describe())
     lines.append(describe_loss(cfg, pl))
+    accumulation = _accumulate.describe(cfg, self.loss,
+                                        self.grad_accum_steps)
+    if accumulation:
+      lines.append(accumulation)
     lines.extend(layout.update.describe(layout))
     if cfg.remat is RematPolicy.AUTO:
       lines.append(self.remat_reason or "remat auto: chosen when the step is "

@@ -21,18 +21,21 @@ from jax.sharding import PartitionSpec as P
 from zero_jax import layers, materialize
 from zero_jax.layout import (ComputeCopy, LeafPlan, Materialize,
                              Placement, flat, map_leaves)
-from zero_jax.train import _checks
+from zero_jax.train import _accumulate, _checks
 
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
   """What the engine trains: ``fn(params, batch) -> loss`` (or ``(loss,
   aux)`` with ``has_aux``; ``fn(params, batch, rng)`` with ``with_rng``),
-  the mean loss over the examples it is given."""
+  the mean loss over the examples it is given; with a global loss over
+  micro-batches, ``weight(micro_batch)`` is a micro-batch's weight
+  (``Engine(loss_weight=)``, ``_accumulate``)."""
 
   fn: Callable[..., Any]
   has_aux: bool = False
   with_rng: bool = False
+  weight: Callable[[Any], Any] | None = None
 
   def __call__(self, params: Any, batch: Any, rng: jax.Array
                ) -> tuple[jax.Array, Any]:
@@ -329,6 +332,27 @@ def describe_loss(config: Any, placement: Placement) -> str:
           f"{summed})")
 
 
+def global_loss(layout, loss: Loss, seen: dict[str, int] | None = None
+                ) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, Any]]:
+  """``loss_of(full, batch, key) -> (loss, aux)``: the engine's loss as the
+  global step calls it, on full (compute-dtype) parameters, inside the
+  step's ``LossContext`` (its remat, its layers, the batch's sharding)."""
+  cfg = layout.config
+
+  def loss_of(full, batch, key):
+    context = materialize.LossContext.of(
+        [], layout.remat, cfg.remat_names, full=full, units=layout.units,
+        layer_classes=cfg.layer_classes,
+        batch_sharding=layout.batch.sharding)
+    with materialize.handing_over(context), layers.intercepting(context):
+      out = loss(full, batch, key)
+    if seen is not None:
+      seen.update(context.seen)
+    return out
+
+  return loss_of
+
+
 def _global_loss_and_grads(layout, loss: Loss, params: Any,
                            compute_params: Any, batch: Any, rng: jax.Array,
                            scale: jax.Array | None,
@@ -348,35 +372,55 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   of the per-device step cannot carry this on jax 0.10-0.12: a gather
   typed ``reduced`` loses its type through a slice or a cast and the
   gradient comes out N times too large (``experiments/loss_regions.py``).
-  One micro-batch a step (``Layout`` refuses more).
+  Over micro-batches (``grad_accum_steps > 1``), a scan: each
+  micro-batch's gradients, summed by the compiler into the update's layout,
+  are accumulated at its share of the weight (``_accumulate``).
   """
   pl = layout.placement
-  cfg = layout.config
   source = compute_params if pl.compute_copy else params
   # What is differentiated: what forward reads, in its own layout and in
   # the dtype its gradient is summed in.
   wrt = jax.tree.map(lambda x: x.astype(pl.reduce_dtype or jnp.float32),
                      source)
-
-  def loss_of_wrt(wrt):
-    full = jax.tree.map(lambda x: materialize.cast(x, pl.compute_dtype), wrt)
-    context = materialize.LossContext.of(
-        [], layout.remat, cfg.remat_names, full=full, units=layout.units,
-        layer_classes=cfg.layer_classes,
-        batch_sharding=layout.batch.sharding)
-    with materialize.handing_over(context), layers.intercepting(context):
-      value, aux = loss(full, batch, rng)
-    if seen is not None:
-      seen.update(context.seen)
-    return (value if scale is None else value * scale), (value, aux)
-
-  g, (value, aux) = jax.grad(loss_of_wrt, has_aux=True)(wrt)
+  call = global_loss(layout, loss, seen)
   plan = layout.param_plan
   out = pl.host_grad_dtype or jnp.float32
-  # Into the update's layout: the compiler sums each gradient there
-  # (reduce-scatter, or all-reduce of a replicated one).
-  g = jax.tree.map(
-      lambda x, sharding: jax.lax.with_sharding_constraint(x.astype(out),
-                                                           sharding),
-      g, plan.shardings if pl.grads_sharded else plan.replicated_shardings)
-  return g, value, aux
+  shardings = (plan.shardings if pl.grads_sharded else
+               plan.replicated_shardings)
+
+  def grads_of(batch, key):
+    def loss_of_wrt(wrt):
+      full = jax.tree.map(lambda x: materialize.cast(x, pl.compute_dtype),
+                          wrt)
+      value, aux = call(full, batch, key)
+      return (value if scale is None else value * scale), (value, aux)
+
+    g, (value, aux) = jax.grad(loss_of_wrt, has_aux=True)(wrt)
+    # Into the update's layout: the compiler sums each gradient there
+    # (reduce-scatter, or all-reduce of a replicated one).
+    g = jax.tree.map(
+        lambda x, sharding: jax.lax.with_sharding_constraint(
+            x.astype(out), sharding), g, shardings)
+    return g, value, aux
+
+  split = _accumulate.Split.of(layout, loss)
+  if split.steps == 1:
+    return grads_of(batch, rng)
+  micro = split.micro_batches(batch)
+  weights = split.weights(micro)
+  total = jnp.sum(weights)
+  acc = jax.tree.map(
+      lambda x, sharding: jax.lax.with_sharding_constraint(
+          jnp.zeros(x.shape, jnp.float32), sharding), wrt, shardings)
+
+  def body(acc, xs):
+    b, w, i = xs
+    g, value, aux = grads_of(b, jax.random.fold_in(rng, i))
+    return _accumulate.add(acc, g, w, total), (value, aux)
+
+  acc, (values, auxes) = jax.lax.scan(
+      body, acc, (micro, weights, jnp.arange(split.steps)))
+  g = jax.tree.map(lambda a, sharding: jax.lax.with_sharding_constraint(
+      a.astype(out), sharding), _accumulate.finish(acc, total), shardings)
+  return (g, _accumulate.combine(weights, values),
+          _accumulate.combine(weights, auxes))

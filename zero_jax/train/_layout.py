@@ -326,13 +326,6 @@ class Layout:
     check_mesh(mesh)
     hierarchical = check_hpz(config, mesh)
     batch = batch or BatchLayout.of(config, mesh)
-    if config.loss_scope == "global" and batch.grad_accum_steps > 1:
-      raise ValueError(
-          f"ZeroConfig.loss_scope='global' does not yet split a step into "
-          f"micro-batches (the batch sizes give grad_accum_steps="
-          f"{batch.grad_accum_steps}): give the whole global batch to each "
-          "step (micro_batch_size = train_batch_size / devices), or use "
-          "loss_scope='per_device'.")
     pl = placement or Placement.of(config, batch.grad_accum_steps)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
       if not jnp.issubdtype(x.dtype, jnp.floating):

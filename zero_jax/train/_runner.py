@@ -13,7 +13,7 @@ import jax
 
 from zero_jax import _heartbeat, _last_checkpoint
 from zero_jax.config import RematPolicy
-from zero_jax.train import _checks
+from zero_jax.train import _accumulate, _checks, _grads
 from zero_jax.train._state import TrainState
 from zero_jax.train._train_step import jit_step
 
@@ -179,6 +179,9 @@ class StepFunction:
     self._number = None  # its step count, where known
     self._carry = None  # what the update strategy keeps between steps
     self._failure: _Failure | None = None  # the last step that failed
+    # The layout whose micro-batch split the first step checked
+    # (``_accumulate.check_split``).
+    self._split_checked = None
 
   def reset(self) -> None:
     """Forgets the run so far: what the update strategy carried between
@@ -227,6 +230,7 @@ class StepFunction:
                           layout.state_shardings)
     _checks.check_batch(batch)
     batch = engine.shard_batch(batch)
+    self._check_split(layout, state, batch)
     if not goes_on:
       # What is pending belongs to the history this state leaves: none of
       # its flags, errors or carried buffers apply to it.
@@ -251,6 +255,20 @@ class StepFunction:
     # at the next call wait for this step, so a hung step stops it.)
     _heartbeat.step_done()
     return new, metrics
+
+  def _check_split(self, layout, state: TrainState, batch: Any) -> None:
+    """At the first step of a global loss over micro-batches: raises
+    unless the micro-batches' weighed loss is the whole batch's."""
+    loss = self._engine.loss
+    if (self._split_checked is layout or not _accumulate.needs_check(
+        layout.config, loss, layout.batch.grad_accum_steps)):
+      return
+    call = _grads.global_loss(layout, loss)
+    params = (state.compute_params if layout.placement.compute_copy else
+              state.params)
+    _accumulate.check_split(_accumulate.Split.of(layout, loss),
+                            lambda p, b: call(p, b, None)[0], params, batch)
+    self._split_checked = layout
 
   def _chosen(self, state: TrainState, batch: Any):
     """The layout to run, with the remat policy chosen if it was "auto"."""
