@@ -15,14 +15,15 @@ Usage, from the repository root::
 and at stage 3 on a 2-D mesh whose replica groups are the two processes,
 then the NNX model of tests/_tp_models.py for 3 steps at stage 3 with
 tensor parallelism on ``make_mesh(model=2)``, (data 4, model 2): each
-process holds 2 data ranks x 2 model ranks (one run pays the process
+process holds 2 data ranks x 2 model ranks; then a masked mean of global
+meaning over two micro-batches at stage 3 (one run pays the process
 start-up once). Each process feeds only its rows of every global batch.
 Process 0 writes ``OUT_DIR/result.npz``: per MLP run (see ``RUNS``)
 ``{run}/losses`` and ``{run}/{param}`` (the gathered parameters), plus
 whatever ``after_training`` returns; for the tensor-parallel run
 ``tp/losses``, ``tp/param/{i}`` (the gathered parameters, flattened),
 ``tp/paths`` (their key paths) and ``tp/rows`` (the rows each step fed
-here). The MLP's stage 3 runs also save a checkpoint,
+here); for the global loss ``global/losses`` and ``global/{param}``. The MLP's stage 3 runs also save a checkpoint,
 ``OUT_DIR/ckpt_{run}``. Each process then prints ``process {i} done`` and
 goes on with ``rows`` (below), whose last step fails the job by design.
 
@@ -110,6 +111,7 @@ def train(out_dir: str) -> None:
     for k, v in after_training(run, engine, state, out_dir).items():
       result[f"{run}/{k}"] = np.asarray(v)
   result.update({f"tp/{k}": v for k, v in train_tp().items()})
+  result.update({f"global/{k}": v for k, v in train_global().items()})
   if distributed.is_main_process():
     np.savez(os.path.join(out_dir, "result.npz"), **result)
   print(f"process {jax.process_index()} done", flush=True)
@@ -148,6 +150,32 @@ def train_tp() -> dict[str, np.ndarray]:
             "paths": np.array([jax.tree_util.keystr(p) for p, _ in flat])}
   for i, (_, v) in enumerate(flat):
     result[f"param/{i}"] = np.asarray(v)
+  return result
+
+
+def global_engine() -> zj.Engine:
+  """A loss of global meaning over two micro-batches, weighed by their
+  counts (test_distributed.py trains the same in one process)."""
+  return zj.Engine(m.mlp_masked_loss, optax.adamw(1e-2),
+                   zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                 loss_scope="global", grad_accum_steps=2),
+                   zj.make_mesh(), loss_weight=m.mlp_masked_count)
+
+
+def train_global() -> dict[str, np.ndarray]:
+  """``global_engine`` for STEPS steps on each process's rows (its first
+  step checks the split across both processes): the losses and the
+  gathered parameters."""
+  engine = global_engine()
+  state = engine.init(m.mlp_params())
+  losses = []
+  for batch in m.mlp_batches(STEPS):
+    state, metrics = engine.step(state,
+                                 distributed.local_batch(batch, engine.mesh))
+    losses.append(float(metrics["loss"]))
+  result = {"losses": np.array(losses)}
+  for k, v in engine.gather_params(state).items():
+    result[k] = np.asarray(v)
   return result
 
 

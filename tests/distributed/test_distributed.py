@@ -418,6 +418,28 @@ def test_two_processes_on_data_x_model_match_one(two_processes):
   m.assert_matches(got_losses, got, ref_losses, ref_params)
 
 
+def test_two_processes_train_a_global_loss_over_micro_batches_as_one(
+    two_processes):
+  """A masked mean of global meaning (``loss_scope="global"``) over two
+  micro-batches weighed by their counts, at stage 3 across both processes:
+  the first step's split check and every step agree with one process and
+  with single-device optax on the global batches."""
+  result = np.load(two_processes / "result.npz")
+  tx = optax.adamw(1e-2)
+  batches = m.mlp_batches(5)  # _launch_script.STEPS
+  ref_losses, ref_params = m.train_reference(m.mlp_masked_loss, tx,
+                                             m.mlp_params(), batches)
+  engine = zj.Engine(m.mlp_masked_loss, tx,
+                     zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                   loss_scope="global", grad_accum_steps=2),
+                     zj.make_mesh(), loss_weight=m.mlp_masked_count)
+  losses, params, _ = m.train_engine(engine, m.mlp_params(), batches)
+  got_losses = list(result["global/losses"])
+  got_params = {k: result[f"global/{k}"] for k in ref_params}
+  m.assert_matches(got_losses, got_params, losses, params, tol=1e-6)
+  m.assert_matches(got_losses, got_params, ref_losses, ref_params)
+
+
 def test_processes_that_feed_different_rows_both_fail_naming_them(launched):
   """Two steps on agreeing batches, then process 1 feeds 4 rows and process
   0 8. Without the check, one process's rows would weigh double and the job

@@ -201,6 +201,40 @@ def test_global_loss_trains_as_one_device(loss, stage, mesh):
   m.assert_matches(losses, out, ref_losses, ref_params)
 
 
+@pytest.mark.parametrize("stage,offload", [
+    (1, {"offload_optimizer": "host"}),
+    (3, {"offload_optimizer": "host", "update_on": "host"}),
+    (2, {"offload_optimizer": "host", "update_on": "host",
+         "grad_accum_steps": 2}),
+    (3, {"offload_optimizer": "host", "grad_accum_steps": 2})])
+def test_global_loss_trains_as_one_device_with_offloaded_state(stage,
+                                                                offload):
+  """The optimizer state offloaded (streamed through the device, or
+  updated on the host's CPU devices), over one micro-batch or two: the
+  gradients the global loss makes are the update's, and four steps equal
+  one device's."""
+  engine, params, batches = _accumulating(
+      "masked_mean", stage, "data",
+      _count if offload.get("grad_accum_steps") else None, **offload)
+  losses, out, _ = m.train_engine(engine, params, batches)
+  ref_losses, ref_params = _reference("masked_mean")
+  m.assert_matches(losses, out, ref_losses, ref_params)
+
+
+def test_partitioned_activations_with_a_global_loss():
+  """Pa on (data 4, model 2): the reference GPT's padded mean trains as one
+  device, and the layer scan carries its input split over the batch and,
+  along the sequence, over 'model': (layers 2, batch 32 / 4, seq 8 / 2,
+  d 32) per device, never the whole sequence."""
+  engine, params, batches = _accumulating("gpt", 3, "model",
+                                          partition_activations=True)
+  losses, out, state = m.train_engine(engine, params, batches)
+  m.assert_matches(losses, out, *_reference("gpt"))
+  hlo = engine.step.lower(state, engine.shard_batch(batches[0])).compile(
+  ).as_text()
+  assert "f32[2,8,4,32]" in hlo and "f32[2,8,8,32]" not in hlo
+
+
 def test_aux_and_the_key_are_the_whole_batchs():
   """``has_aux``: ``metrics["aux"]`` is the aux of the whole batch (here the
   global count of valid rows); ``with_rng``: the loss gets the step's one
@@ -251,9 +285,10 @@ def test_compiled_for_h100s_the_global_step_moves_zeros_bytes():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("offload_optimizer", "host"),
+    ("offload_params", "host"),
     ("hpz_partition_size", 2), ("quantized_gradients", True),
-    ("prefetch", True), ("compute_dtype", "bfloat16")])
+    ("quantized_weights", True), ("prefetch", True),
+    ("compute_dtype", "bfloat16")])
 def test_what_the_global_loss_does_not_yet_run_with_is_refused(field,
                                                                value):
   """Each combination not yet built is an error naming both fixes, never

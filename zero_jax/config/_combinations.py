@@ -84,13 +84,10 @@ def _check_global(config: Any) -> None:
   """Raises where ``loss_scope="global"`` meets a field it does not yet
   carry: naming the field and both fixes."""
   unsupported = {
-      "offload_optimizer": config.offload_optimizer is not None,
       "offload_params": config.offload_params is not None,
-      "update_on": config.update_on != "device",
       "hpz_partition_size": config.hpz_partition_size > 1,
       "quantized_weights": config.quantized_weights,
       "quantized_gradients": config.quantized_gradients,
-      "partition_activations": config.partition_activations,
       "prefetch": config.prefetch is True,
   }
   asked = [name for name, on in unsupported.items() if on]

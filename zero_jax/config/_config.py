@@ -11,6 +11,7 @@ import numpy as np
 
 from zero_jax._checks import (check_bool, check_choice, check_float,
                               check_int, fail)
+from zero_jax.config._batch_sizes import resolve_batch_sizes
 from zero_jax.config._combinations import check_combinations
 from zero_jax.config._remat import REMAT_POLICIES, RematPolicy, check_remat
 
@@ -226,8 +227,8 @@ class ZeroConfig:
       whole global batch (padded token means, in-batch negatives, batch
       statistics), its collectives left to the compiler on the same
       layout; with a 16-bit ``compute_dtype``, ``reduce_dtype`` must name
-      it. Not yet with offload, hpZ, ZeRO++, Pa or ``prefetch=True``
-      (docs/usage.md).
+      it. Not yet with ``offload_params``, hpZ, ZeRO++ or
+      ``prefetch=True`` (docs/usage.md).
     accumulation: what a step of several micro-batches
       (``grad_accum_steps > 1``) trains. None: the loss scope's own
       meaning (``"whole_batch"`` with a global loss; the mean over
@@ -241,7 +242,8 @@ class ZeroConfig:
       batch statistics) is refused there with the fix. A ``with_rng``
       loss, whose random draws differ by shape, cannot be compared and
       needs ``loss_weight``. ``"mean_of_micro_batches"``: DeepSpeed's
-      meaning, each micro-batch's loss weighing the same, unchecked.
+      meaning, each micro-batch's loss weighing the same, unchecked
+      (``loss_weight`` is refused with it, and with a per-device loss).
 
   Raises:
     ValueError: on construction, when a field has the wrong type (ints must
@@ -467,35 +469,8 @@ class ZeroConfig:
     Raises:
       ValueError: the three contradict each other or do not divide.
     """
-    train, micro, accum = (self.train_batch_size, self.micro_batch_size,
-                           self.grad_accum_steps)
-    given = (f"train_batch_size={train}, micro_batch_size={micro}, "
-             f"grad_accum_steps={accum}, {world_size} devices")
-    if train is None and micro is None:
-      return None, None, accum or 1
-    if train is None:
-      accum = accum or 1
-      return micro * accum * world_size, micro, accum
-    if micro is None:
-      accum = accum or 1
-      if train % (accum * world_size):
-        raise ValueError(
-            f"train_batch_size {train} is not divisible by grad_accum_steps "
-            f"x devices = {accum * world_size} ({given})")
-      return train, train // (accum * world_size), accum
-    if accum is None:
-      if train % (micro * world_size):
-        raise ValueError(
-            f"train_batch_size {train} is not divisible by micro_batch_size "
-            f"x devices = {micro * world_size} ({given})")
-      return train, micro, train // (micro * world_size)
-    if train != micro * accum * world_size:
-      raise ValueError(
-          f"batch sizes contradict: train_batch_size must equal "
-          f"micro_batch_size x grad_accum_steps x devices = "
-          f"{micro} x {accum} x {world_size} = {micro * accum * world_size} "
-          f"({given}); drop one of the three to have it derived")
-    return train, micro, accum
+    return resolve_batch_sizes(self.train_batch_size, self.micro_batch_size,
+                               self.grad_accum_steps, world_size)
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ZeroConfig":

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero_jax import materialize
 from zero_jax.layers._prefetch import (grad_dtype, prefetched_scan,
@@ -45,18 +45,29 @@ def _slice_plan(lp: LeafPlan) -> LeafPlan:
   return lp.sliced()
 
 
-def partition_activations(carry: Any) -> Any:
+def partition_activations(carry: Any, batch_sharding: Any = None) -> Any:
   """ZeRO-R's Pa: each ``(batch, sequence, ...)`` leaf of ``carry`` split
   over the ``model`` axis along the sequence (dimension 1), so the copy a
   layer saves for backward takes 1/M of the bytes on each device; the
   layer's first use gathers it back.
 
+  Args:
+    carry: the layer input.
+    batch_sharding: with a loss of global meaning, the batch's sharding:
+      the carry is a global array, its batch dimension kept split as the
+      batch is (inside the per-device step's ``shard_map`` it is each
+      device's slice, and dimension 0 stays whole).
+
   Raises:
     ValueError: a leaf's sequence length does not divide by the axis.
   """
-  m = auto_model_size()
+  m = model_size(batch_sharding)
   if m == 1:
     return carry
+  lead, mesh, n = None, None, 1
+  if batch_sharding is not None:
+    lead, mesh = _batch_entry(batch_sharding), batch_sharding.mesh
+    n = _batch_devices(batch_sharding)
 
   def split(x):
     if x.ndim < 2:
@@ -68,10 +79,36 @@ def partition_activations(carry: Any) -> Any:
           f"(the sequence), which {x.shape[1]} does not divide: use a "
           f"sequence length divisible by {m}, or "
           "partition_activations=False.")
+    # (A leading dimension the batch's devices do not divide is not the
+    # batch: left whole, as _split_over_batch leaves it.)
+    spec = P(None if x.shape[0] % n else lead, MODEL,
+             *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(
-        x, P(None, MODEL, *([None] * (x.ndim - 2))))
+        x, spec if mesh is None else NamedSharding(mesh, spec))
 
   return jax.tree.map(split, carry)
+
+
+def model_size(batch_sharding: Any = None) -> int:
+  """The tensor-parallel degree the compiler partitions the model by: the
+  automatic ``model`` axis of the mesh traced under (the per-device step's
+  ``shard_map``), or with a loss of global meaning (no ``shard_map``) the
+  ``model`` axis of its batch's mesh."""
+  if batch_sharding is None:
+    return auto_model_size()
+  return dict(batch_sharding.mesh.shape).get(MODEL, 1)
+
+
+def _batch_entry(sharding: Any) -> Any:
+  """The batch sharding's entry for the leading dimension (its axes)."""
+  return sharding.spec[0] if len(sharding.spec) else None
+
+
+def _batch_devices(sharding: Any) -> int:
+  """Devices the batch sharding splits the leading dimension over."""
+  lead = _batch_entry(sharding)
+  axes = (lead,) if isinstance(lead, str) else tuple(lead or ())
+  return math.prod(dict(sharding.mesh.shape)[a] for a in axes)
 
 
 def _prefetches(prefetch: Prefetch, policy: Any, makers: list[Any]) -> bool:
@@ -102,10 +139,7 @@ def _split_over_batch(carry: Any, sharding: Any) -> Any:
   """Each leaf of ``carry`` whose leading dimension divides over the batch
   axes, constrained to ``sharding`` there (the compiler would otherwise be
   free to gather activations rather than parameters)."""
-  # (The batch is split over the axes of the spec's leading entry.)
-  lead = sharding.spec[0] if len(sharding.spec) else None
-  axes = (lead,) if isinstance(lead, str) else tuple(lead or ())
-  n = math.prod(dict(sharding.mesh.shape)[a] for a in axes)
+  n = _batch_devices(sharding)
 
   def split(x):
     if not getattr(x, "ndim", 0) or x.shape[0] % n:
@@ -169,14 +203,20 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
 
   policy = remat_policy(policy_name, names, keep=kept_names(
       how for how in makers if how is not None))
-  partitioned = context.partition_activations and auto_model_size() > 1
+  partitioned = (context.partition_activations and
+                 model_size(context.batch_sharding) > 1)
 
   def body(carry, sliced):
     # The layer input: saved for backward (remat "full"), or moved to host
     # under this name; split over ``model`` first with Pa.
     carry = jax.tree.map(lambda x: checkpoint_name(x, LAYER_INPUT), carry)
     if context.batch_sharding is not None:
-      carry = _split_over_batch(carry, context.batch_sharding)
+      # (A global loss: pinned as it came, split over the batch and, with
+      # Pa, over 'model'; one pin in and another out would leave the
+      # compiler to pick either for the loop's carry.)
+      carry = (partition_activations(carry, context.batch_sharding)
+               if partitioned else
+               _split_over_batch(carry, context.batch_sharding))
     layer = []
     for how, s in zip(makers, sliced):
       if how is None:
@@ -193,7 +233,8 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
     carry, y = f(carry, treedef.unflatten(layer))
     # (Split where the carry is made, so the loop carries it split and
     # the copy saved for backward is the split one.)
-    return (partition_activations(carry) if partitioned else carry), y
+    return (partition_activations(carry, context.batch_sharding)
+            if partitioned else carry), y
 
   # (Whether to prefetch reads the policy asked for, before ``keep``
   # wraps it.)
@@ -202,5 +243,5 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
   if policy is not None:
     body = jax.checkpoint(body, policy=policy)
   if partitioned:
-    init = partition_activations(init)
+    init = partition_activations(init, context.batch_sharding)
   return jax.lax.scan(body, init, scanned)

@@ -196,6 +196,10 @@ class Placement:
     offload_opt = config.offload_optimizer == "host"
     offload_params = bool(config.offload_params)
     loss_scaling = config.compute_dtype == "float16"
+    # Gradients straight to host memory, as backward makes them: the
+    # per-device step's own collectives do that; a global loss's gradients
+    # are the compiler's, in device memory (one micro-batch or several).
+    one_pass = grad_accum_steps == 1 and config.loss_scope == "per_device"
     counts_skips = loss_scaling or config.skip_nonfinite
     quantize = Quantize(weights=config.quantized_weights,
                         gradients=config.quantized_gradients)
@@ -215,7 +219,7 @@ class Placement:
                  gather_from=gather_from, update=UpdateKind.HOST,
                  loss_scaling=loss_scaling, counts_skips=counts_skips,
                  quantize=quantize,
-                 grads_on_host=stage == 3 and grad_accum_steps == 1)
+                 grads_on_host=stage == 3 and one_pass)
     compute_copy = None
     # Stage 2 gathering the master's shards in forward instead of keeping
     # a compute copy (FSDP's SHARD_GRAD_OP): only where nothing streams the
@@ -260,7 +264,7 @@ class Placement:
                grads_on_host=(gather_from in (GatherFrom.COMPUTE,
                                               GatherFrom.HOST_MASTER)
                               and update is UpdateKind.STREAMED
-                              and grad_accum_steps == 1))
+                              and one_pass))
 
   @property
   def master_on_host(self) -> bool:

@@ -18,11 +18,11 @@ from jax.sharding import Mesh, NamedSharding
 from zero_jax import layers
 from zero_jax.config import RematPolicy, ZeroConfig
 from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
-                             Prefetch, model_specs)
+                             model_specs)
 from zero_jax.train import _accumulate, _auto_remat, _init
 from zero_jax.train._grads import Loss, describe_loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
-                                    signature)
+                                    describe_prefetch, signature)
 from zero_jax.train._runner import StepFunction
 from zero_jax.train._state import TrainState, on_device
 
@@ -66,22 +66,16 @@ class Engine:
       names), else the shardings of the arrays given to ``init``.
     axis_rules: logical axis rules (``(("mlp", "model"), ("embed",
       None), ...)``) for parameters annotated with logical names.
-    loss_weight: with ``ZeroConfig(loss_scope="global")`` and
-      ``grad_accum_steps > 1``: ``loss_weight(micro_batch) -> scalar``,
-      how much a micro-batch weighs in the whole batch's loss, so that
-      their weighed mean is it: a masked or padded token mean's count of
-      valid tokens (``lambda batch: batch["mask"].sum()``; the counts are
-      summed before the first micro-batch, as HuggingFace's
-      ``num_items_in_batch``). None: every micro-batch weighs the same
-      (a per-example mean). Checked against the whole batch at the first
-      step (``ZeroConfig.accumulation``).
+    loss_weight: a global loss's micro-batch weight,
+      ``loss_weight(micro_batch) -> scalar``: a masked mean's count of
+      valid tokens (``lambda b: b["mask"].sum()``). None: all weigh the
+      same. See ``ZeroConfig.accumulation``.
 
   Raises:
     ValueError: the mesh has no ``data`` axis or an axis the engine does
       not use, the config's batch sizes contradict each other on this mesh
-      (see ``ZeroConfig.batch_sizes``), or ``loss_weight`` weighs nothing
-      the config trains (a per-device loss, DeepSpeed's micro-batch mean),
-      or a ``with_rng`` global loss over micro-batches has none.
+      (see ``ZeroConfig.batch_sizes``), or ``loss_weight`` does not suit
+      the config (see ``ZeroConfig.accumulation``).
   """
 
   def __init__(self, loss_fn: Callable[..., Any],
@@ -371,22 +365,9 @@ class Engine:
     if cfg.remat is RematPolicy.AUTO:
       lines.append(self.remat_reason or "remat auto: chosen when the step is "
                    "first compiled (engine.step or engine.step.lower)")
-    if layout.prefetch is not Prefetch.OFF and pl.keeps_gathered:
-      lines.append(f"prefetch ({cfg.prefetch}): each scanned layer is "
-                   "gathered while the one before it runs, and kept for "
-                   "backward")
-    elif layout.prefetch is not Prefetch.OFF:
-      lines.append(f"prefetch ({cfg.prefetch}): each scanned layer is "
-                   "gathered while the one before it runs, forward and "
-                   "backward")
-    elif cfg.prefetch == "auto" and cfg.loss_scope == "global":
-      lines.append("prefetch (auto): off; with loss_scope='global' the "
-                   "compiler places every gather")
-    elif cfg.prefetch == "auto":
-      lines.append("prefetch (auto): off; it needs stage 3 gathering from "
-                   "the float32 master, or stage 2 with a compute_dtype, "
-                   "no offload and one micro-batch a step; remat 'full', "
-                   "no Pa, hpZ or 'model' axis, and more than one device")
+    prefetch = describe_prefetch(cfg, pl, layout.prefetch)
+    if prefetch:
+      lines.append(prefetch)
     lines.extend(layers.describe_units(layout.units, self.units_seen,
                                        pl.stage, cfg.layer_classes))
     if cfg.delay_update:

@@ -343,6 +343,7 @@ def global_loss(layout, loss: Loss, seen: dict[str, int] | None = None
     context = materialize.LossContext.of(
         [], layout.remat, cfg.remat_names, full=full, units=layout.units,
         layer_classes=cfg.layer_classes,
+        partition_activations=cfg.partition_activations,
         batch_sharding=layout.batch.sharding)
     with materialize.handing_over(context), layers.intercepting(context):
       out = loss(full, batch, key)

@@ -192,6 +192,27 @@ def decide_prefetch(config: ZeroConfig, placement: Placement, mesh: Mesh,
   return Prefetch.OFF
 
 
+def describe_prefetch(config: ZeroConfig, placement: Placement,
+                      prefetch: Prefetch) -> str | None:
+  """``Engine.describe``'s line on ``decide_prefetch``'s choice (None
+  where prefetch was turned off)."""
+  if prefetch is not Prefetch.OFF and placement.keeps_gathered:
+    return (f"prefetch ({config.prefetch}): each scanned layer is gathered "
+            "while the one before it runs, and kept for backward")
+  if prefetch is not Prefetch.OFF:
+    return (f"prefetch ({config.prefetch}): each scanned layer is gathered "
+            "while the one before it runs, forward and backward")
+  if config.prefetch == "auto" and config.loss_scope == "global":
+    return ("prefetch (auto): off; with loss_scope='global' the compiler "
+            "places every gather")
+  if config.prefetch == "auto":
+    return ("prefetch (auto): off; it needs stage 3 gathering from the "
+            "float32 master, or stage 2 with a compute_dtype, no offload "
+            "and one micro-batch a step; remat 'full', no Pa, hpZ or "
+            "'model' axis, and more than one device")
+  return None
+
+
 def check_model_split(mesh: Mesh, plan: Plan) -> None:
   """Raises when the mesh has a ``model`` axis but no parameter is split
   over it: every model rank would repeat the same work."""
