@@ -235,6 +235,30 @@ def test_partitioned_activations_with_a_global_loss():
   assert "f32[2,8,4,32]" in hlo and "f32[2,8,8,32]" not in hlo
 
 
+@pytest.mark.parametrize("framework,accum", [("nnx", 2), ("linen", 1)])
+def test_blocks_called_in_a_python_loop_with_a_global_loss(framework, accum):
+  """Flax NNX and Linen transformers whose blocks are called in a loop
+  train as one device at stage 3, over one micro-batch or two; the
+  description says the engine runs no block on its own there."""
+  from zero_jax.models import loop_gpt  # pylint: disable=g-import-not-at-top
+
+  loss_fn, params = loop_gpt(framework, vocab=16, d=32, heads=2, layers=4)
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.integers(0, 16, (16, 8), dtype=np.int32),
+              "y": rng.integers(0, 16, (16, 8), dtype=np.int32)}
+             for _ in range(3)]
+  # (Adam at 1e-3, as tests/layers/test_blocks.py trains these models.)
+  tx = optax.adamw(1e-3)
+  engine = zj.Engine(loss_fn, tx,
+                     zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                   loss_scope="global",
+                                   grad_accum_steps=accum), zj.make_mesh())
+  losses, out, _ = m.train_engine(engine, params, batches)
+  m.assert_matches(losses, out,
+                   *m.train_reference(loss_fn, tx, params, batches))
+  assert "blocks: not run one at a time" in engine.describe()
+
+
 def test_aux_and_the_key_are_the_whole_batchs():
   """``has_aux``: ``metrics["aux"]`` is the aux of the whole batch (here the
   global count of valid rows); ``with_rng``: the loss gets the step's one
@@ -375,6 +399,29 @@ def test_a_loss_that_does_not_split_is_refused_at_the_first_step(
     assert fix in str(e.value)
   # (Refused before the step ran: the state was not donated.)
   assert int(state.step) == 0
+
+
+def test_aux_over_micro_batches_is_weighed_as_the_loss():
+  """``metrics["aux"]`` combines the micro-batches' aux with the loss's
+  weights: a masked mean in aux equals the whole batch's; a count comes
+  out as its weighed mean (sum of squares over the total), as documented."""
+  params, batch = _mlp_params(), _mlp_batches()[0]
+
+  def loss_fn(p, b):
+    value = masked_mean(p, b)
+    return value, {"mean": value, "count": _count(b)}
+
+  engine = zj.Engine(loss_fn, _tx(),
+                     zj.ZeroConfig(stage=1, min_shard_elements=0,
+                                   loss_scope="global", grad_accum_steps=2),
+                     zj.make_mesh(), has_aux=True, loss_weight=_count)
+  _, metrics = engine.step(engine.init(params), batch)
+  want = float(masked_mean(params, batch))
+  for got in (metrics["loss"], metrics["aux"]["mean"]):
+    assert abs(float(got) - want) <= 1e-6 * abs(want)
+  counts = batch["mask"].reshape(8, 2, -1).sum(axis=(0, 2))
+  assert np.isclose(float(metrics["aux"]["count"]),
+                    np.sum(counts ** 2) / np.sum(counts), rtol=1e-6)
 
 
 def test_deepspeeds_mean_of_micro_batches_is_an_explicit_choice():

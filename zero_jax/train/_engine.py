@@ -368,8 +368,13 @@ class Engine:
     prefetch = describe_prefetch(cfg, pl, layout.prefetch)
     if prefetch:
       lines.append(prefetch)
-    lines.extend(layers.describe_units(layout.units, self.units_seen,
-                                       pl.stage, cfg.layer_classes))
+    if cfg.loss_scope == "global" and pl.stage >= 2:
+      lines.append("blocks: not run one at a time by the engine with "
+                   "loss_scope='global'; the compiler gathers each "
+                   "parameter where the loss uses it")
+    else:
+      lines.extend(layers.describe_units(layout.units, self.units_seen,
+                                         pl.stage, cfg.layer_classes))
     if cfg.delay_update:
       lines.append("delay_update: each step reads the parameters from "
                    "before the previous step's update (DeepSpeed's "
