@@ -99,15 +99,8 @@ def train(out_dir: str) -> None:
   result: dict[str, np.ndarray] = {}
   for run, (stage, replica) in RUNS.items():
     engine = make_engine(stage, replica)
-    state = engine.init(m.mlp_params())
-    losses = []
-    for batch in m.mlp_batches(STEPS):
-      state, metrics = engine.step(state,
-                                   distributed.local_batch(batch, engine.mesh))
-      losses.append(float(metrics["loss"]))
-    result[f"{run}/losses"] = np.array(losses)
-    for k, v in engine.gather_params(state).items():
-      result[f"{run}/{k}"] = np.asarray(v)
+    trained, state = train_mlp(engine)
+    result.update({f"{run}/{k}": v for k, v in trained.items()})
     for k, v in after_training(run, engine, state, out_dir).items():
       result[f"{run}/{k}"] = np.asarray(v)
   result.update({f"tp/{k}": v for k, v in train_tp().items()})
@@ -162,11 +155,10 @@ def global_engine() -> zj.Engine:
                    zj.make_mesh(), loss_weight=m.mlp_masked_count)
 
 
-def train_global() -> dict[str, np.ndarray]:
-  """``global_engine`` for STEPS steps on each process's rows (its first
-  step checks the split across both processes): the losses and the
-  gathered parameters."""
-  engine = global_engine()
+def train_mlp(engine: zj.Engine) -> tuple[dict[str, np.ndarray],
+                                          zj.TrainState]:
+  """The MLP trained by ``engine`` for STEPS steps on this process's rows:
+  ``({"losses": ..., param: gathered}, final state)``."""
   state = engine.init(m.mlp_params())
   losses = []
   for batch in m.mlp_batches(STEPS):
@@ -176,7 +168,13 @@ def train_global() -> dict[str, np.ndarray]:
   result = {"losses": np.array(losses)}
   for k, v in engine.gather_params(state).items():
     result[k] = np.asarray(v)
-  return result
+  return result, state
+
+
+def train_global() -> dict[str, np.ndarray]:
+  """``global_engine`` trained by ``train_mlp`` (its first step checks the
+  split across both processes)."""
+  return train_mlp(global_engine())[0]
 
 
 def loop(out_dir: str) -> None:

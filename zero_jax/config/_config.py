@@ -453,22 +453,12 @@ class ZeroConfig:
 
   def batch_sizes(self, world_size: int) -> tuple[int | None, int | None,
                                                   int]:
-    """Resolves the batch sizes on ``world_size`` devices, DeepSpeed's way.
-
-    ``train_batch_size = micro_batch_size * grad_accum_steps * world_size``:
-    any two of the three give the third; one alone leaves
-    ``grad_accum_steps`` at 1; none leaves the global batch free.
-
-    Args:
-      world_size: devices the batch is split over (every mesh axis).
-
-    Returns:
-      ``(train_batch_size, micro_batch_size, grad_accum_steps)``; the first
-      two are None when the config leaves the batch free.
-
-    Raises:
-      ValueError: the three contradict each other or do not divide.
-    """
+    """``(train_batch_size, micro_batch_size, grad_accum_steps)`` on
+    ``world_size`` devices (every mesh axis), by DeepSpeed's rule
+    ``train = micro * accum * world_size``: any two give the third, one
+    alone leaves ``grad_accum_steps`` at 1, none leaves the global batch
+    free (then the first two are None). Raises ``ValueError`` where they
+    contradict each other or do not divide."""
     return resolve_batch_sizes(self.train_batch_size, self.micro_batch_size,
                                self.grad_accum_steps, world_size)
 
