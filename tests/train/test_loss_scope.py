@@ -386,6 +386,21 @@ def test_a_micro_batch_with_no_valid_row_weighs_nothing():
   assert int(state.step) == STEPS and int(state.loss_scale.skipped) == 0
 
 
+def test_a_batch_with_no_valid_row_is_skipped_as_on_one_device():
+  """Every micro-batch weighs 0: one device's gradient of a mean over
+  nothing is NaN, and so is the engine's, so the step is skipped as a
+  non-finite one and the parameters stay as they were."""
+  params, batch = _mlp_params(), _mlp_batches()[0]
+  batch["mask"][:] = 0
+  engine = zj.Engine(masked_mean, _tx(),
+                     zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                   loss_scope="global", grad_accum_steps=2),
+                     zj.make_mesh(), loss_weight=_count)
+  state, metrics = engine.step(engine.init(params), batch)
+  assert bool(metrics["skipped"]) and np.isnan(float(metrics["loss"]))
+  m.assert_matches([], engine.gather_params(state), [], params, tol=0)
+
+
 @pytest.mark.parametrize("loss,weight,stage,mesh", [
     ("masked_mean", None, 0, "model"), ("contrastive", None, 2, "data"),
     ("contrastive", _count, 3, "replica"), ("balanced", None, 1, "data"),
