@@ -41,8 +41,6 @@ class Split:
     steps: micro-batches per step.
     devices: devices the batch is split over.
     sharding: the batch's ``NamedSharding``.
-    whole_batch: ``ZeroConfig.accumulation`` resolves to ``"whole_batch"``
-      (checked at the first step), not DeepSpeed's mean of micro-batches.
     weight: ``Engine(loss_weight=)``: a micro-batch's weight from its rows
       (None: each weighs the same).
   """
@@ -50,16 +48,13 @@ class Split:
   steps: int
   devices: int
   sharding: NamedSharding
-  whole_batch: bool
   weight: Callable[[Any], Any] | None
 
   @classmethod
   def of(cls, layout: Any, loss: Any) -> "Split":
     """The split of ``layout``'s batch for the engine's ``loss``."""
     return cls(layout.batch.grad_accum_steps, layout.batch.num_devices,
-               layout.batch.sharding,
-               layout.config.accumulation != "mean_of_micro_batches",
-               loss.weight)
+               layout.batch.sharding, loss.weight)
 
   def micro_batches(self, batch: Any) -> Any:
     """``batch`` with a leading axis of ``steps`` micro-batches, each laid

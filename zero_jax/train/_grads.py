@@ -389,6 +389,12 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   shardings = (plan.shardings if pl.grads_sharded else
                plan.replicated_shardings)
 
+  def into_layout(g):
+    # Into the update's layout: the compiler sums each gradient there
+    # (reduce-scatter, or all-reduce of a replicated one).
+    return jax.tree.map(lambda x, sharding: jax.lax.with_sharding_constraint(
+        x.astype(out), sharding), g, shardings)
+
   def grads_of(batch, key):
     def loss_of_wrt(wrt):
       full = jax.tree.map(lambda x: materialize.cast(x, pl.compute_dtype),
@@ -397,12 +403,7 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
       return (value if scale is None else value * scale), (value, aux)
 
     g, (value, aux) = jax.grad(loss_of_wrt, has_aux=True)(wrt)
-    # Into the update's layout: the compiler sums each gradient there
-    # (reduce-scatter, or all-reduce of a replicated one).
-    g = jax.tree.map(
-        lambda x, sharding: jax.lax.with_sharding_constraint(
-            x.astype(out), sharding), g, shardings)
-    return g, value, aux
+    return into_layout(g), value, aux
 
   split = _accumulate.Split.of(layout, loss)
   if split.steps == 1:
@@ -421,7 +422,6 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
 
   acc, (values, auxes) = jax.lax.scan(
       body, acc, (micro, weights, jnp.arange(split.steps)))
-  g = jax.tree.map(lambda a, sharding: jax.lax.with_sharding_constraint(
-      a.astype(out), sharding), _accumulate.finish(acc, total), shardings)
+  g = into_layout(_accumulate.finish(acc, total))
   return (g, _accumulate.combine(weights, values),
           _accumulate.combine(weights, auxes))

@@ -23,9 +23,9 @@ from zero_jax.layout import (DATA, MODEL, ComputeCopy, GatherFrom, LeafPlan,
                              UpdateKind, flat, map_leaves)
 from zero_jax.train import _init
 from zero_jax.train._state import TrainState, device_part, on_host
-from zero_jax.train._update import (OnDevice, grad_shardings,
-                                    injected_learning_rate, new_state,
-                                    prepare)
+from zero_jax.train._update import (OnDevice, compiler_options,
+                                    grad_shardings, injected_learning_rate,
+                                    new_state, prepare)
 
 
 def _device_zeros(shape: tuple, dtype: Any, sharding: Any) -> jax.Array:
@@ -207,7 +207,7 @@ class OnHost:
           else s, layout.param_plan.leaves, grads)
     return jax.jit(fn, out_shardings=(dataclasses.replace(
         device_part(layout.state_shardings), compute_params=None,
-        loss_scale=None), r, grads))
+        loss_scale=None), r, grads), compiler_options=compiler_options(layout))
 
   def finish(self, layout, state, grads, metrics):
     # The rest is the host's program: the gradients leave as the reduction
