@@ -84,10 +84,14 @@ CONFIGS = {
     # SHARD_GRAD_OP).
     "stage 2 (no prefetch)": {"stage": 2, "prefetch": False},
     "stage 2": {"stage": 2},
-    # The loss of one device's meaning (``loss_scope="global"``): every
-    # collective the compiler's, with scan_layers' inputs split over the
-    # batch; its gradient sums run in bf16 (compare "reduce bf16").
+    # The loss of one device's meaning (``loss_scope="global"``): the
+    # loss's collectives the compiler's, with scan_layers' inputs split over
+    # the batch and each layer gathered one layer ahead by sharding
+    # constraints; its gradient sums run in bf16 (compare "reduce bf16").
     "global loss": {"loss_scope": "global", "reduce_dtype": "bfloat16"},
+    # The same, each layer gathered where the compiler places it.
+    "global no prefetch": {"loss_scope": "global", "reduce_dtype": "bfloat16",
+                           "prefetch": False},
 }
 GPUS_PER_NODE = 8
 GSPMD = "gspmd"

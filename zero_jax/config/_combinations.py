@@ -88,7 +88,9 @@ def _check_global(config: Any) -> None:
       "hpz_partition_size": config.hpz_partition_size > 1,
       "quantized_weights": config.quantized_weights,
       "quantized_gradients": config.quantized_gradients,
-      "prefetch": config.prefetch is True,
+      # (Stage 2's prefetch keeps each gathered layer for backward, by
+      # collectives of the per-device step.)
+      "prefetch": config.prefetch is True and config.stage != 3,
   }
   asked = [name for name, on in unsupported.items() if on]
   if (config.compute_dtype in ("bfloat16", "float16")

@@ -209,7 +209,12 @@ class ZeroConfig:
       refused with an error where it cannot be honoured. ``False``: off.
       Exact: the same sums as without it. At stage 3 it holds the next
       layer's parameters and the last layer's gradients besides (about
-      two layers' 16-bit parameters); see docs/usage.md.
+      two layers' 16-bit parameters); see docs/usage.md. With
+      ``loss_scope="global"`` (stage 3 only) the gathers and gradient
+      sums are the compiler's, placed by sharding constraints; each
+      layer's gradients are reduce-scattered in the iteration that makes
+      them, and the step is compiled with
+      ``zero_jax.layers.GLOBAL_PREFETCH_COMPILER_OPTIONS``.
     hpz_partition_size: ZeRO++'s hpZ (DeepSpeed's
       ``zero_hpz_partition_size``), stage 3 only; 1 (default) is off. K >
       1: the devices of a mesh ``make_mesh(replica=R)`` whose ``data``
@@ -227,7 +232,7 @@ class ZeroConfig:
       whole global batch (padded token means, in-batch negatives, batch
       statistics), its collectives left to the compiler on the same
       layout; with a 16-bit ``compute_dtype``, ``reduce_dtype`` must name
-      it. Not yet with ``offload_params``, hpZ, ZeRO++ or
+      it. Not yet with ``offload_params``, hpZ, ZeRO++ or stage 2's
       ``prefetch=True`` (docs/usage.md).
     accumulation: what a step of several micro-batches
       (``grad_accum_steps > 1``) trains. None: the loss scope's own

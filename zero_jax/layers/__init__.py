@@ -12,12 +12,14 @@ from zero_jax.layers._flax import scan_linen, scan_nnx
 from zero_jax.layers._intercept import intercepting
 from zero_jax.layers._layer import layer
 from zero_jax.layers._prefetch import (
-    COMPILER_OPTIONS as PREFETCH_COMPILER_OPTIONS)
+    COMPILER_OPTIONS as PREFETCH_COMPILER_OPTIONS,
+    GLOBAL_COMPILER_OPTIONS as GLOBAL_PREFETCH_COMPILER_OPTIONS)
 from zero_jax.layers._remat import remat_policy
 from zero_jax.layers._scan import scan_layers
 from zero_jax.layers._units import Unit, describe_units, find_units
 
 __all__ = [
+    "GLOBAL_PREFETCH_COMPILER_OPTIONS",
     "PREFETCH_COMPILER_OPTIONS",
     "Unit",
     "checkpoint_name",

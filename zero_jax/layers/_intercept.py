@@ -96,7 +96,7 @@ def intercepting(context: materialize.LossContext) -> Iterator[None]:
     Nothing; on leaving, the classes this trace wrapped are put back
     unless another trace still holds them.
   """
-  if context.layer_classes == () or not context.params:
+  if context.layer_classes == () or not context.runs_units:
     yield
     return
   import flax.linen as nn  # pylint: disable=g-import-not-at-top

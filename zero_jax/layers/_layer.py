@@ -95,7 +95,7 @@ def run_as_unit(f: Callable[..., Any], params: Any, args: tuple[Any, ...],
     What ``f`` returns.
   """
   context = materialize.current()
-  if _INSIDE.get() or context is None or not context.params:
+  if _INSIDE.get() or context is None or not context.runs_units:
     return f(params, *args, **kwargs)
   leaves, treedef = jax.tree.flatten(params)
   handed = [context.lookup(x) for x in leaves]

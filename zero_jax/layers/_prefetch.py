@@ -60,6 +60,17 @@ COMPILER_OPTIONS = {
     "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
     "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
 }
+# With a loss of global meaning (``Materialize.CONSTRAIN``), also: each
+# leaf's gradient reduce-scattered on its own. The compiler sums a layer's
+# gradients in the iteration that makes them (a loop cannot carry a sum
+# it has not made); left uncombined, each leaf's reduction starts as its
+# gradient is made and overlaps the rest of the layer's backward (compiled
+# for 8 H100s, 1.3B GPT: 57% of their bytes overlap a gemm, against 7%
+# combined; experiments/results/stage3_global_prefetch_h100.md).
+GLOBAL_COMPILER_OPTIONS = {
+    **COMPILER_OPTIONS,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+}
 
 
 def _index(tree: Any, i: jax.Array) -> Any:
@@ -90,7 +101,8 @@ def stored_dtype(shard: Any, compute: Any) -> Any:
 def grad_dtype(how: Any, shard: Any) -> Any:
   """The dtype a scanned layer's gradient shard waits in for the update:
   ``stored_dtype`` for a layer gathered from its float32 shards at stage 3
-  (``Materialize.GATHER``); as the shard's otherwise (a stand-in whose
+  (``Materialize.GATHER``, and ``CONSTRAIN`` with a loss of global
+  meaning); as the shard's otherwise (a stand-in whose
   gradient goes to host memory under offload; stage 2's, ``keep``, which
   stays float32 as its replicated copy's gradients do).
 
@@ -98,7 +110,8 @@ def grad_dtype(how: Any, shard: Any) -> Any:
     how: the leaf's ``Materializer``.
     shard: the shard's dtype.
   """
-  if how.kind is Materialize.GATHER and not how.keep:
+  if (how.kind in (Materialize.GATHER, Materialize.CONSTRAIN)
+      and not how.keep):
     return stored_dtype(shard, how.compute_dtype)
   return jnp.dtype(shard)
 

@@ -126,7 +126,8 @@ def _prefetches(prefetch: Prefetch, policy: Any, makers: list[Any]) -> bool:
         "(remat='full'), but this scan_layers call asks for another remat "
         "policy: drop its remat argument, or use prefetch=False.")
   for how in makers:
-    if how is not None and how[0].kind is not Materialize.GATHER:
+    if how is not None and how[0].kind not in (Materialize.GATHER,
+                                               Materialize.CONSTRAIN):
       raise ValueError(
           "ZeroConfig.prefetch gathers layers from their float32 shards "
           f"(stage 3), but this engine's layers come {how[0].kind.value!r} "
@@ -239,6 +240,11 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
   # (Whether to prefetch reads the policy asked for, before ``keep``
   # wraps it.)
   if _prefetches(context.prefetch, remat_policy(policy_name, names), makers):
+    if context.batch_sharding is not None:
+      # (The layer's input pinned as in ``body``.)
+      return prefetched_scan(
+          lambda h, x: f(_split_over_batch(h, context.batch_sharding), x),
+          init, scanned, makers, treedef)
     return prefetched_scan(f, init, scanned, makers, treedef)
   if policy is not None:
     body = jax.checkpoint(body, policy=policy)

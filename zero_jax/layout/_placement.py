@@ -113,6 +113,11 @@ class Materialize(enum.Enum):
   # Stage 3 from another copy (the sharded compute copy or host memory);
   # the gradient goes to a zero-valued stand-in of the shard.
   GATHER_FROM = "gather_from"
+  # A loss of global meaning (no ``shard_map`` over the batch): a sharding
+  # constraint has the compiler gather a layer of the (compute-dtype)
+  # parameters, and its custom transpose reduce-scatter the gradient
+  # (``zero_jax.materialize.gather_constrained``).
+  CONSTRAIN = "constrain"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,8 @@ from zero_jax.materialize._collectives import (cast, dequantize_blocks,
                                                quantize_blocks, reduce_leaf,
                                                reduce_tree,
                                                use_with_scattered_grad, zeros)
+from zero_jax.materialize._constrained import (gather_constrained,
+                                               pin_constrained)
 from zero_jax.materialize._hierarchical import (SECONDARY,
                                                 gather_hierarchical)
 from zero_jax.materialize._context import (LossContext, current,
@@ -32,6 +34,7 @@ __all__ = [
     "cast",
     "current",
     "dequantize_blocks",
+    "gather_constrained",
     "gather_from",
     "gather_hierarchical",
     "gather_leaf",
@@ -39,6 +42,7 @@ __all__ = [
     "gather_replicated",
     "handing_over",
     "materialize_together",
+    "pin_constrained",
     "psum_leaf",
     "quantize_blocks",
     "reduce_leaf",

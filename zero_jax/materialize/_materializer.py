@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.layout import LeafPlan, Materialize, Quantize
 from zero_jax.materialize import _collectives as collectives
+from zero_jax.materialize._constrained import gather_constrained
 from zero_jax.materialize._hierarchical import gather_hierarchical
 
 
@@ -52,6 +53,7 @@ class Materializer:
     keep: the full value is kept for backward (stage 2,
       ``Placement.keeps_gathered``): named ``KEPT``, which remat policies
       save.
+    mesh: ``CONSTRAIN``: the mesh the global arrays are laid out on.
   """
 
   kind: Materialize
@@ -61,6 +63,7 @@ class Materializer:
   grad_to_host: bool = False
   quantize: Quantize = Quantize()
   keep: bool = False
+  mesh: Any = None
 
   def __call__(self, plan: LeafPlan, shard: jax.Array,
                source: jax.Array | None) -> jax.Array:
@@ -79,6 +82,10 @@ class Materializer:
             "hpz_partition_size=1.")
       return gather_hierarchical(plan, shard, self.compute_dtype,
                                  self.reduce_dtype, self.quantize)
+    if self.kind is Materialize.CONSTRAIN:
+      return gather_constrained(plan, self.mesh,
+                                collectives.cast(shard, self.compute_dtype),
+                                self.reduce_dtype)
     if self.kind is Materialize.GATHER:
       return collectives.gather_leaf(plan, shard, self.compute_dtype,
                                      self.reduce_dtype, self.quantize)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax import layers, materialize
 from zero_jax.layout import (ComputeCopy, LeafPlan, Materialize,
-                             Placement, flat, map_leaves)
+                             Placement, Prefetch, flat, map_leaves)
 from zero_jax.train import _accumulate, _checks
 
 
@@ -333,18 +333,30 @@ def describe_loss(config: Any, placement: Placement) -> str:
 
 
 def global_loss(layout, loss: Loss, seen: dict[str, int] | None = None
-                ) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, Any]]:
-  """``loss_of(full, batch, key) -> (loss, aux)``: the engine's loss as the
-  global step calls it, on full (compute-dtype) parameters, inside the
-  step's ``LossContext`` (its remat, its layers, the batch's sharding)."""
+                ) -> Callable[..., tuple[jax.Array, Any]]:
+  """``loss_of(full, batch, key, shards=None) -> (loss, aux)``: the
+  engine's loss as the global step calls it, on full (compute-dtype)
+  parameters, inside the step's ``LossContext`` (its remat, its layers,
+  the batch's sharding). With prefetch, ``shards`` are what the full
+  arrays were made from (the differentiated float32 shards), which
+  ``scan_layers`` gathers one layer ahead."""
   cfg = layout.config
+  prefetch = layout.prefetch
+  pl = layout.placement
+  how = materialize.Materializer(Materialize.CONSTRAIN, pl.compute_dtype,
+                                 pl.reduce_dtype, mesh=layout.mesh)
 
-  def loss_of(full, batch, key):
+  def loss_of(full, batch, key, shards=None):
+    handed = [] if shards is None else [
+        materialize.HandedParam(x, lp, shard, None, how)
+        for lp, x, shard in zip(flat(layout.param_plan.leaves),
+                                jax.tree.leaves(full),
+                                jax.tree.leaves(shards)) if lp.sharded]
     context = materialize.LossContext.of(
-        [], layout.remat, cfg.remat_names, full=full, units=layout.units,
+        handed, layout.remat, cfg.remat_names, full=full, units=layout.units,
         layer_classes=cfg.layer_classes,
         partition_activations=cfg.partition_activations,
-        batch_sharding=layout.batch.sharding)
+        prefetch=prefetch, batch_sharding=layout.batch.sharding)
     with materialize.handing_over(context), layers.intercepting(context):
       out = loss(full, batch, key)
     if seen is not None:
@@ -369,7 +381,12 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   uses it and reduce-scatters its gradient into the shard, and all-reduces
   a replicated one's. The loss's own reductions over the batch (a masked
   mean's count, a contrastive loss's negatives, a batch statistic) are
-  therefore over the whole batch, as on one device. The explicit regions
+  therefore over the whole batch, as on one device. With prefetch
+  (stage 3), the float32 shards themselves are differentiated and handed
+  over: ``scan_layers`` gathers each layer one layer ahead by sharding
+  constraints (``Materialize.CONSTRAIN``), and every other sharded leaf is
+  cast on its shard, its gradient reduce-scattered in the compute dtype.
+  The explicit regions
   of the per-device step cannot carry this on jax 0.10-0.12: a gather
   typed ``reduced`` loses its type through a slice or a cast and the
   gradient comes out N times too large (``experiments/loss_regions.py``).
@@ -379,12 +396,24 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   """
   pl = layout.placement
   source = compute_params if pl.compute_copy else params
-  # What is differentiated: what forward reads, in its own layout and in
-  # the dtype its gradient is summed in.
-  wrt = jax.tree.map(lambda x: x.astype(pl.reduce_dtype or jnp.float32),
-                     source)
-  call = global_loss(layout, loss, seen)
   plan = layout.param_plan
+  prefetch = layout.prefetch is not Prefetch.OFF
+  # What is differentiated: what forward reads, in its own layout and in
+  # the dtype its gradient is summed in; with prefetch, the float32 shards
+  # themselves, which scan_layers casts a layer at a time (a 16-bit copy
+  # of every shard would be live through the step).
+  wrt = map_leaves(
+      lambda lp, x: x if prefetch and lp.sharded else
+      x.astype(pl.reduce_dtype or jnp.float32), plan.leaves, source)
+  call = global_loss(layout, loss, seen)
+
+  def full_of(lp, x):
+    x = materialize.cast(x, pl.compute_dtype)
+    if prefetch and lp.sharded:
+      # (Cast on the shard; its gradient reduced in the compute dtype.)
+      return materialize.pin_constrained(lp, layout.mesh, x,
+                                         pl.reduce_dtype)
+    return x
   out = pl.host_grad_dtype or jnp.float32
   shardings = (plan.shardings if pl.grads_sharded else
                plan.replicated_shardings)
@@ -397,9 +426,8 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
 
   def grads_of(batch, key):
     def loss_of_wrt(wrt):
-      full = jax.tree.map(lambda x: materialize.cast(x, pl.compute_dtype),
-                          wrt)
-      value, aux = call(full, batch, key)
+      full = map_leaves(full_of, plan.leaves, wrt)
+      value, aux = call(full, batch, key, wrt if prefetch else None)
       return (value if scale is None else value * scale), (value, aux)
 
     g, (value, aux) = jax.grad(loss_of_wrt, has_aux=True)(wrt)

@@ -176,15 +176,15 @@ def decide_prefetch(config: ZeroConfig, placement: Placement, mesh: Mesh,
   """``ZeroConfig.prefetch`` for this layout: asked for (the config has
   refused what it cannot honour), off, or, for ``"auto"``, on where it is
   built and measured: stage 3 gathering from the float32 master, or stage
-  2 gathering it and keeping it (``Placement.keeps_gathered``), remat
-  ``full``, no Pa, hpZ or ``model`` axis, over more than one device, and
-  a loss of per-device meaning (``loss_scope``; with a global one each
-  layer is gathered where it is used)."""
+  2 gathering it and keeping it (``Placement.keeps_gathered``, with a loss
+  of per-device meaning only), remat ``full``, no Pa, hpZ or ``model``
+  axis, over more than one device."""
   if config.prefetch is True:
     return Prefetch.ON
   shape = dict(mesh.shape)
-  if (config.prefetch == "auto" and config.loss_scope == "per_device"
+  if (config.prefetch == "auto"
       and placement.materialize is Materialize.GATHER
+      and not (config.loss_scope == "global" and placement.keeps_gathered)
       and remat is RematPolicy.FULL and not config.partition_activations
       and config.hpz_partition_size == 1 and shape.get(MODEL, 1) == 1
       and shape[DATA] * shape.get(REPLICA, 1) > 1):
@@ -202,14 +202,11 @@ def describe_prefetch(config: ZeroConfig, placement: Placement,
   if prefetch is not Prefetch.OFF:
     return (f"prefetch ({config.prefetch}): each scanned layer is gathered "
             "while the one before it runs, forward and backward")
-  if config.prefetch == "auto" and config.loss_scope == "global":
-    return ("prefetch (auto): off; with loss_scope='global' the compiler "
-            "places every gather")
   if config.prefetch == "auto":
     return ("prefetch (auto): off; it needs stage 3 gathering from the "
-            "float32 master, or stage 2 with a compute_dtype, no offload "
-            "and one micro-batch a step; remat 'full', no Pa, hpZ or "
-            "'model' axis, and more than one device")
+            "float32 master, or stage 2 with a compute_dtype, no offload, "
+            "one micro-batch a step and loss_scope='per_device'; remat "
+            "'full', no Pa, hpZ or 'model' axis, and more than one device")
   return None
 
 

@@ -255,11 +255,14 @@ class UpdateStrategy(Protocol):
 
 
 def compiler_options(layout) -> dict[str, Any] | None:
-  """The XLA options the step is compiled with: prefetch's, or the global
-  loss's (``_grads.GLOBAL_LOSS_COMPILER_OPTIONS``), or none."""
+  """The XLA options the step is compiled with: prefetch's (with a loss
+  of global meaning, ``layers.GLOBAL_PREFETCH_COMPILER_OPTIONS``), the
+  global loss's (``_grads.GLOBAL_LOSS_COMPILER_OPTIONS``), or none."""
+  glob = layout.config.loss_scope == "global"
   if layout.prefetch is not Prefetch.OFF:
-    return layers.PREFETCH_COMPILER_OPTIONS
-  if layout.config.loss_scope == "global":
+    return (layers.GLOBAL_PREFETCH_COMPILER_OPTIONS if glob else
+            layers.PREFETCH_COMPILER_OPTIONS)
+  if glob:
     return _grads.GLOBAL_LOSS_COMPILER_OPTIONS
   return None
 
