@@ -89,7 +89,14 @@ CONFIGS = {
     # the batch and each layer gathered one layer ahead by sharding
     # constraints; its gradient sums run in bf16 (compare "reduce bf16").
     "global loss": {"loss_scope": "global", "reduce_dtype": "bfloat16"},
-    # The same, each layer gathered where the compiler places it.
+    # The fp32 master in host memory, each scanned layer's shards copied
+    # to the device inside the layer loop (gradient sums in bf16, as the
+    # global loss's), per-device and global.
+    "offload params": {"offload_params": "host", "reduce_dtype": "bfloat16"},
+    "global offload params": {"offload_params": "host",
+                              "reduce_dtype": "bfloat16",
+                              "loss_scope": "global"},
+    # The global loss, each layer gathered where the compiler places it.
     "global no prefetch": {"loss_scope": "global", "reduce_dtype": "bfloat16",
                            "prefetch": False},
 }

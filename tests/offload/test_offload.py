@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from tests import _models as m
+from tests._jaxpr import copies_to, layer_loops
 from zero_jax import offload
 
 HOST, DEVICE = "pinned_host", "device"
@@ -131,32 +132,6 @@ def test_offload_places_state_and_changes_nothing_else(config):
   _assert_identical(run, _plain("mlp", **plain))
 
 
-def _copies_to_device(jaxpr) -> int:
-  """device_put equations into device memory in ``jaxpr`` (nested too)."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "device_put":
-      n += sum("Device" in str(d) for d in eqn.params.get("devices", ()))
-    for v in eqn.params.values():
-      for inner in (v if isinstance(v, (tuple, list)) else (v,)):
-        inner = getattr(inner, "jaxpr", inner)
-        if hasattr(inner, "eqns"):
-          n += _copies_to_device(inner)
-  return n
-
-
-def _scan_bodies(jaxpr):
-  """The body of every scan in ``jaxpr``, nested ones included."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      yield eqn.params["jaxpr"].jaxpr
-    for v in eqn.params.values():
-      for inner in (v if isinstance(v, (tuple, list)) else (v,)):
-        inner = getattr(inner, "jaxpr", inner)
-        if hasattr(inner, "eqns"):
-          yield from _scan_bodies(inner)
-
-
 @pytest.mark.parametrize("config", [
     dict(offload_params="host"),
     dict(offload_params="host", compute_dtype="bfloat16"),
@@ -189,11 +164,9 @@ def test_offloaded_stage3_gpt_gathers_layer_by_layer(config):
   batch = m.gpt_setup(steps=1)[2][0]
   jaxpr = jax.make_jaxpr(engine.step.jitted)(state,
                                              engine.shard_batch(batch))
-  # The layer loops: the scans that multiply (the streamed update's do not).
-  scans = [body for body in _scan_bodies(jaxpr.jaxpr)
-           if "dot_general" in str(body)]
+  scans = layer_loops(jaxpr.jaxpr)
   assert scans, "the GPT's layers are not scanned"
-  copies = sum(_copies_to_device(body) for body in scans)
+  copies = sum(copies_to(body, "Device") for body in scans)
   if config.get("offload_params"):
     assert copies > 0  # per-layer host-to-device copies inside the loop
   else:

@@ -32,7 +32,9 @@ from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from tests import _models as m
+from zero_jax import offload as offload_module
 from tests._gpu import compiles_for_gpus
+from tests._jaxpr import copies_to, layer_loops
 from tests.analysis._shared import compile_gpt
 
 STEPS = 4
@@ -221,6 +223,39 @@ def test_global_loss_trains_as_one_device_with_offloaded_state(stage,
   m.assert_matches(losses, out, ref_losses, ref_params)
 
 
+@pytest.mark.parametrize("loss,offload", [
+    ("masked_mean", {}),
+    ("gpt", {}),
+    ("gpt", {"offload_optimizer": "host"}),
+    ("gpt", {"offload_optimizer": "host", "update_on": "host"}),
+    ("gpt", {"grad_accum_steps": 2})])
+def test_global_loss_trains_as_one_device_with_offloaded_parameters(
+    loss, offload, monkeypatch):
+  """``offload_params="host"`` (the master in host memory), with the
+  optimizer state there too (streamed, or updated on the host), or over
+  two micro-batches: four steps equal one device's. The GPT's layer loop
+  copies each layer's shards to the device; with one micro-batch and the
+  update streamed on the device (its slices cut small here, so that every
+  leaf streams), it sends each layer's gradient shards back to the host as
+  backward makes them, as the per-device step does."""
+  monkeypatch.setattr(offload_module, "SLICE_BYTES", 1024)
+  accum = offload.get("grad_accum_steps", 1)
+  engine, params, batches = _accumulating(
+      loss, 3, "data", _count if accum > 1 else None,
+      offload_params="host", **offload)
+  losses, out, state = m.train_engine(engine, params, batches)
+  m.assert_matches(losses, out, *_reference(loss))
+  if loss != "gpt":
+    return
+  jaxpr = engine.step.jitted.trace(
+      state, engine.shard_batch(batches[0])).jaxpr.jaxpr
+  loops = layer_loops(jaxpr)
+  assert loops and sum(copies_to(body, "Device") for body in loops) > 0
+  to_host = sum(copies_to(body, "Host") for body in loops)
+  assert (to_host > 0) == (accum == 1 and "update_on" not in offload), (
+      to_host)
+
+
 def test_partitioned_activations_with_a_global_loss():
   """Pa on (data 4, model 2): the reference GPT's padded mean trains as one
   device, and the layer scan carries its input split over the batch and,
@@ -305,10 +340,10 @@ def _assert_zeros_collectives(global_, per_device):
   (fewer where the compiler drops the reduction of the zeros that stand
   for the gradients of a layer after the last), and at least ZeRO's
   floor: every parameter (all but a few small replicated ones) gathered
-  in forward and again in backward in 16 bits, and its gradient
-  reduce-scattered once onto 8 devices. It moves no all-to-all and
-  all-reduces no gradient (only the norm's and the loss's few scalars)."""
-  floor = {"all-gather": 0.9 * 2 * 2 * global_.params,
+  in 16 bits, and its gradient reduce-scattered once onto 8 devices. It
+  moves no all-to-all and all-reduces no gradient (only the norm's and
+  the loss's few scalars)."""
+  floor = {"all-gather": 0.9 * 2 * global_.params,
            "reduce-scatter": 0.9 * 2 * global_.params / 8}
   for kind in ("all-gather", "reduce-scatter"):
     want = per_device.collective_bytes(kind)
@@ -341,8 +376,32 @@ _STAGE2_BF16 = {"stage": 2, "compute_dtype": "bfloat16",
                 "reduce_dtype": "bfloat16"}
 
 
+@compiles_for_gpus
+def test_compiled_for_h100s_offloaded_parameters_move_what_per_device_ones_do(
+    monkeypatch):
+  """Compiled for 8 H100s (the reference GPT, bf16, stage 3,
+  ``offload_params="host"``, the update streamed in slices of 256 KiB so
+  that the layers' leaves stream): the global loss's step gathers and
+  reduce-scatters the per-device step's bytes and copies as many bytes to
+  the device and back to the host. Its peak is 4.5% above the per-device
+  step's here (the gap docs/usage.md gives at 1.3B and 6.7B); the bound
+  leaves a little room over that, and no more."""
+  monkeypatch.setattr(offload_module, "SLICE_BYTES", 256 << 10)
+  kw = dict(layers=4, hidden=256, heads=4, vocab=4096, seq_len=256,
+            micro_batch=2, attention="auto", reduce_dtype="bfloat16")
+  _, per_device = compile_gpt("h100", 8, 3,
+                              overrides={"offload_params": "host"}, **kw)
+  _, global_ = compile_gpt("h100", 8, 3, overrides={
+      "offload_params": "host", "loss_scope": "global"}, **kw)
+  _assert_zeros_collectives(global_, per_device)
+  assert per_device.transfers.to_host > 0
+  assert (global_.transfers.to_device, global_.transfers.to_host) == (
+      per_device.transfers.to_device, per_device.transfers.to_host)
+  assert global_.memory.peak <= 1.06 * per_device.memory.peak, (
+      global_.memory, per_device.memory)
+
+
 @pytest.mark.parametrize("field,value,base", [
-    ("offload_params", "host", {}),
     ("hpz_partition_size", 2, {}), ("quantized_gradients", True, {}),
     ("quantized_weights", True, {}), ("prefetch", True, _STAGE2_BF16),
     ("compute_dtype", "bfloat16", {})])

@@ -84,7 +84,6 @@ def _check_global(config: Any) -> None:
   """Raises where ``loss_scope="global"`` meets a field it does not yet
   carry: naming the field and both fixes."""
   unsupported = {
-      "offload_params": config.offload_params is not None,
       "hpz_partition_size": config.hpz_partition_size > 1,
       "quantized_weights": config.quantized_weights,
       "quantized_gradients": config.quantized_gradients,

@@ -232,8 +232,8 @@ class ZeroConfig:
       whole global batch (padded token means, in-batch negatives, batch
       statistics), its collectives left to the compiler on the same
       layout; with a 16-bit ``compute_dtype``, ``reduce_dtype`` must name
-      it. Not yet with ``offload_params``, hpZ, ZeRO++ or stage 2's
-      ``prefetch=True`` (docs/usage.md).
+      it. Not yet with hpZ, ZeRO++ or stage 2's ``prefetch=True``
+      (docs/usage.md).
     accumulation: what a step of several micro-batches
       (``grad_accum_steps > 1``) trains. None: the loss scope's own
       meaning (``"whole_batch"`` with a global loss; the mean over

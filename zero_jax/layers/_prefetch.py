@@ -110,8 +110,8 @@ def grad_dtype(how: Any, shard: Any) -> Any:
     how: the leaf's ``Materializer``.
     shard: the shard's dtype.
   """
-  if (how.kind in (Materialize.GATHER, Materialize.CONSTRAIN)
-      and not how.keep):
+  if ((how.kind is Materialize.GATHER and not how.keep) or
+      (how.kind is Materialize.CONSTRAIN and not how.to_device)):
     return stored_dtype(shard, how.compute_dtype)
   return jnp.dtype(shard)
 

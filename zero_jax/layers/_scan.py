@@ -126,8 +126,9 @@ def _prefetches(prefetch: Prefetch, policy: Any, makers: list[Any]) -> bool:
         "(remat='full'), but this scan_layers call asks for another remat "
         "policy: drop its remat argument, or use prefetch=False.")
   for how in makers:
-    if how is not None and how[0].kind not in (Materialize.GATHER,
-                                               Materialize.CONSTRAIN):
+    if how is not None and not (
+        how[0].kind is Materialize.GATHER or
+        (how[0].kind is Materialize.CONSTRAIN and not how[0].to_device)):
       raise ValueError(
           "ZeroConfig.prefetch gathers layers from their float32 shards "
           f"(stage 3), but this engine's layers come {how[0].kind.value!r} "

@@ -202,9 +202,14 @@ class Placement:
     offload_params = bool(config.offload_params)
     loss_scaling = config.compute_dtype == "float16"
     # Gradients straight to host memory, as backward makes them: the
-    # per-device step's own collectives do that; a global loss's gradients
-    # are the compiler's, in device memory (one micro-batch or several).
-    one_pass = grad_accum_steps == 1 and config.loss_scope == "per_device"
+    # per-device step's own collectives do that, and with a global loss
+    # the layers the engine gathers from host memory itself
+    # (offload_params, the update on the device); other gradients of a
+    # global loss are the compiler's, in device memory (one micro-batch
+    # or several).
+    one_pass = grad_accum_steps == 1 and (
+        config.loss_scope == "per_device" or
+        (offload_params and config.update_on != "host"))
     counts_skips = loss_scaling or config.skip_nonfinite
     quantize = Quantize(weights=config.quantized_weights,
                         gradients=config.quantized_gradients)

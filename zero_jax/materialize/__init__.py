@@ -15,8 +15,7 @@ from zero_jax.materialize._collectives import (cast, dequantize_blocks,
                                                quantize_blocks, reduce_leaf,
                                                reduce_tree,
                                                use_with_scattered_grad, zeros)
-from zero_jax.materialize._constrained import (gather_constrained,
-                                               pin_constrained)
+from zero_jax.materialize._constrained import gather_constrained
 from zero_jax.materialize._hierarchical import (SECONDARY,
                                                 gather_hierarchical)
 from zero_jax.materialize._context import (LossContext, current,
@@ -42,7 +41,6 @@ __all__ = [
     "gather_replicated",
     "handing_over",
     "materialize_together",
-    "pin_constrained",
     "psum_leaf",
     "quantize_blocks",
     "reduce_leaf",

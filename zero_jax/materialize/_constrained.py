@@ -2,14 +2,14 @@
 
 With ``ZeroConfig.loss_scope="global"`` the step has no ``shard_map`` over
 the batch: ``loss_fn`` runs as plain ``jax.jit`` code on global arrays, and
-every collective is the compiler's (GSPMD's). A layer scan that gathers
-one layer ahead (``zero_jax.layers``' prefetch) still has to say where each
-layer is gathered and where its gradient is summed. It says so with
-sharding constraints: the layer's slice constrained to its layout over
-``model`` alone (whole over ``data``: the compiler all-gathers it), and,
-by a custom transpose, the slice's gradient constrained to the slice's
-own layout (the compiler reduce-scatters it). The plain transpose of a
-constraint would constrain the gradient to the whole layout: an
+every collective is the compiler's (GSPMD's). Where the engine still
+decides where a parameter is gathered (``scan_layers`` gathering each
+layer one layer ahead, or one layer at a time from host memory), it says
+so with sharding constraints: the layer's slice constrained to its layout
+over ``model`` alone (whole over ``data``: the compiler all-gathers it),
+and, by a custom transpose, the slice's gradient constrained to the
+slice's own layout (the compiler reduce-scatters it). The plain transpose
+of a constraint would constrain the gradient to the whole layout: an
 all-reduce of every layer's gradient.
 
 As ``major_gather`` does inside ``shard_map``, the split dimension is cut
@@ -56,53 +56,75 @@ def _constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _gather(plan: LeafPlan, mesh: Mesh, whole: bool, reduce_dtype: Any,
-            x: jax.Array) -> jax.Array:
-  return _gather_fwd(plan, mesh, whole, reduce_dtype, x)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _made(plan: LeafPlan, mesh: Mesh, whole: bool, compute_dtype: Any,
+          reduce_dtype: Any, to_host: bool, shard: jax.Array,
+          source: jax.Array | None) -> jax.Array:
+  return _made_fwd(plan, mesh, whole, compute_dtype, reduce_dtype, to_host,
+                   shard, source)[0]
 
 
-def _gather_fwd(plan, mesh, whole, reduce_dtype, x):
-  del reduce_dtype
+def _made_fwd(plan, mesh, whole, compute_dtype, reduce_dtype, to_host, shard,
+              source):
+  del reduce_dtype, to_host
+  x = shard if source is None else jax.device_put(source,
+                                                  jax.memory.Space.Device)
+  x = x.astype(compute_dtype or x.dtype)
+  # (A zero-size residual: the dtype the gradient is returned in.)
+  like = jnp.zeros((0,), shard.dtype)
   if not whole:
-    return _constrain(x, mesh, plan.global_spec), None
+    return _constrain(x, mesh, plan.global_spec), like
   split, gathered = _block_specs(plan)
   b = _constrain(_blocks(x, plan.dim, mesh.shape[DATA]), mesh, split)
-  return _joined(_constrain(b, mesh, gathered), plan.dim), None
+  return _joined(_constrain(b, mesh, gathered), plan.dim), like
 
 
-def _gather_bwd(plan, mesh, whole, reduce_dtype, _, g):
-  del whole
+def _made_bwd(plan, mesh, whole, compute_dtype, reduce_dtype, to_host, like,
+              g):
+  del whole, compute_dtype
   split, _ = _block_specs(plan)
   b = _blocks(g.astype(reduce_dtype or g.dtype), plan.dim, mesh.shape[DATA])
   b = _constrain(b, mesh, split)
-  return (_constrain(_joined(b, plan.dim), mesh, plan.global_spec)
-          .astype(g.dtype),)
+  grad = _constrain(_joined(b, plan.dim), mesh, plan.global_spec)
+  grad = grad.astype(like.dtype)
+  if to_host:
+    # (ZeRO-Offload: the gradient shard leaves the device as soon as
+    # backward has made it.)
+    grad = jax.device_put(grad, jax.memory.Space.Host)
+  # (The source gets no gradient: None, a symbolic zero, which also suits
+  # a source in host memory.)
+  return grad, None
 
 
-_gather.defvjp(_gather_fwd, _gather_bwd)
+_made.defvjp(_made_fwd, _made_bwd)
 
 
-def gather_constrained(plan: LeafPlan, mesh: Mesh, x: jax.Array,
-                       reduce_dtype: Any = None) -> jax.Array:
-  """``x`` (a global array laid out as ``plan``, split over ``data`` alone
-  along its dimension) whole over ``data``, its gradient reduce-scattered
-  back into ``plan``'s layout.
+def gather_constrained(plan: LeafPlan, mesh: Mesh, shard: jax.Array,
+                       source: jax.Array | None = None,
+                       compute_dtype: Any = None, reduce_dtype: Any = None,
+                       *, whole: bool = True, to_host: bool = False
+                       ) -> jax.Array:
+  """A global array laid out as ``plan`` (split over ``data`` alone along
+  its dimension), in ``compute_dtype``: whole over ``data``, or with
+  ``whole=False`` kept in ``plan``'s layout; its gradient summed into
+  that layout in ``reduce_dtype`` and returned in ``shard``'s dtype.
 
   Args:
     plan: the leaf's (or one layer slice's) layout.
     mesh: the mesh it is laid out on.
-    x: the array.
-    reduce_dtype: the dtype the gradient is summed in (None: its own).
+    shard: what is differentiated: the array itself, or (with ``source``)
+      a zero-valued stand-in of its shape that takes its gradient.
+    source: None, or what is read: the array in host memory, copied to
+      the device first (one layer at a time inside a scan).
+    compute_dtype: the dtype it is used in (None: as stored).
+    reduce_dtype: the dtype its gradient is summed in (None: the compute
+      dtype; a 16-bit cast of the master is summed in 16 bits, not widened
+      first).
+    whole: gathered over ``data`` (False: cast and pinned where it is).
+    to_host: the gradient goes to host memory (``shard`` a stand-in
+      there).
   """
-  return _gather(plan, mesh, True, reduce_dtype and jnp.dtype(reduce_dtype),
-                 x)
-
-
-def pin_constrained(plan: LeafPlan, mesh: Mesh, x: jax.Array,
-                    reduce_dtype: Any = None) -> jax.Array:
-  """``x`` kept in ``plan``'s layout, its gradient summed into that layout
-  in ``reduce_dtype`` (None: ``x``'s; a 16-bit cast of the master pinned
-  so is summed in 16 bits, not widened first)."""
-  return _gather(plan, mesh, False, reduce_dtype and jnp.dtype(reduce_dtype),
-                 x)
+  return _made(plan, mesh, whole,
+               compute_dtype and jnp.dtype(compute_dtype),
+               reduce_dtype and jnp.dtype(reduce_dtype), to_host, shard,
+               source)

@@ -83,9 +83,9 @@ class Materializer:
       return gather_hierarchical(plan, shard, self.compute_dtype,
                                  self.reduce_dtype, self.quantize)
     if self.kind is Materialize.CONSTRAIN:
-      return gather_constrained(plan, self.mesh,
-                                collectives.cast(shard, self.compute_dtype),
-                                self.reduce_dtype)
+      return gather_constrained(plan, self.mesh, shard, source,
+                                self.compute_dtype, self.reduce_dtype,
+                                to_host=self.grad_to_host)
     if self.kind is Materialize.GATHER:
       return collectives.gather_leaf(plan, shard, self.compute_dtype,
                                      self.reduce_dtype, self.quantize)

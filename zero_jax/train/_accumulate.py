@@ -167,7 +167,10 @@ def check_split(split: Split, loss_of: Callable[[Any, Any], jax.Array],
       both values and the fixes.
   """
   def both(params, batch):
-    params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    # (On the device, where offload_params keeps them in host memory.)
+    params = jax.tree.map(
+        lambda x: jax.device_put(x, jax.memory.Space.Device).astype(
+            jnp.float32), params)
     micro = split.micro_batches(batch)
     values = jax.lax.map(lambda b: loss_of(params, b), micro)
     return (loss_of(params, batch),

@@ -334,29 +334,19 @@ def describe_loss(config: Any, placement: Placement) -> str:
 
 def global_loss(layout, loss: Loss, seen: dict[str, int] | None = None
                 ) -> Callable[..., tuple[jax.Array, Any]]:
-  """``loss_of(full, batch, key, shards=None) -> (loss, aux)``: the
-  engine's loss as the global step calls it, on full (compute-dtype)
-  parameters, inside the step's ``LossContext`` (its remat, its layers,
-  the batch's sharding). With prefetch, ``shards`` are what the full
-  arrays were made from (the differentiated float32 shards), which
-  ``scan_layers`` gathers one layer ahead."""
+  """``loss_of(full, batch, key, handed=()) -> (loss, aux)``: the engine's
+  loss as the global step calls it, on full (compute-dtype) parameters,
+  inside the step's ``LossContext`` (its remat, its layers, the batch's
+  sharding). ``handed``: the ``HandedParam`` of each sharded leaf the
+  engine gathers itself, a layer at a time in ``scan_layers``."""
   cfg = layout.config
-  prefetch = layout.prefetch
-  pl = layout.placement
-  how = materialize.Materializer(Materialize.CONSTRAIN, pl.compute_dtype,
-                                 pl.reduce_dtype, mesh=layout.mesh)
 
-  def loss_of(full, batch, key, shards=None):
-    handed = [] if shards is None else [
-        materialize.HandedParam(x, lp, shard, None, how)
-        for lp, x, shard in zip(flat(layout.param_plan.leaves),
-                                jax.tree.leaves(full),
-                                jax.tree.leaves(shards)) if lp.sharded]
+  def loss_of(full, batch, key, handed=()):
     context = materialize.LossContext.of(
-        handed, layout.remat, cfg.remat_names, full=full, units=layout.units,
+        list(handed), layout.remat, cfg.remat_names, full=full, units=layout.units,
         layer_classes=cfg.layer_classes,
         partition_activations=cfg.partition_activations,
-        prefetch=prefetch, batch_sharding=layout.batch.sharding)
+        prefetch=layout.prefetch, batch_sharding=layout.batch.sharding)
     with materialize.handing_over(context), layers.intercepting(context):
       out = loss(full, batch, key)
     if seen is not None:
@@ -385,7 +375,9 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   (stage 3), the float32 shards themselves are differentiated and handed
   over: ``scan_layers`` gathers each layer one layer ahead by sharding
   constraints (``Materialize.CONSTRAIN``), and every other sharded leaf is
-  cast on its shard, its gradient reduce-scattered in the compute dtype.
+  cast on its shard, its gradient reduce-scattered in the reduce dtype.
+  With ``offload_params`` the shards are read from host memory, a layer at
+  a time, and zero-valued stand-ins on the device take their gradients.
   The explicit regions
   of the per-device step cannot carry this on jax 0.10-0.12: a gather
   typed ``reduced`` loses its type through a slice or a cast and the
@@ -397,37 +389,69 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   pl = layout.placement
   source = compute_params if pl.compute_copy else params
   plan = layout.param_plan
-  prefetch = layout.prefetch is not Prefetch.OFF
-  # What is differentiated: what forward reads, in its own layout and in
-  # the dtype its gradient is summed in; with prefetch, the float32 shards
-  # themselves, which scan_layers casts a layer at a time (a 16-bit copy
-  # of every shard would be live through the step).
-  wrt = map_leaves(
-      lambda lp, x: x if prefetch and lp.sharded else
-      x.astype(pl.reduce_dtype or jnp.float32), plan.leaves, source)
-  call = global_loss(layout, loss, seen)
-
-  def full_of(lp, x):
-    x = materialize.cast(x, pl.compute_dtype)
-    if prefetch and lp.sharded:
-      # (Cast on the shard; its gradient reduced in the compute dtype.)
-      return materialize.pin_constrained(lp, layout.mesh, x,
-                                         pl.reduce_dtype)
-    return x
+  leaves = flat(plan.leaves)
+  # The sharded leaves the engine gathers itself, by sharding constraints
+  # (``handing_over``): each scanned layer one layer ahead (prefetch), or
+  # one layer at a time from host memory (``offload_params``), each
+  # streamed leaf's gradient sent back there as backward makes it
+  # (``Placement.grads_on_host``).
+  from_host = pl.gathers_from_host
+  handed = [(layout.prefetch is not Prefetch.OFF or from_host) and lp.sharded
+            for lp in leaves]
+  to_host = [h and pl.grads_on_host and layout.grads.grads_to_host[i]
+             for i, h in enumerate(handed)]
+  hows = [materialize.Materializer(
+      Materialize.CONSTRAIN, pl.compute_dtype, pl.reduce_dtype,
+      to_device=from_host, grad_to_host=t, mesh=layout.mesh)
+          for t in to_host]
   out = pl.host_grad_dtype or jnp.float32
-  shardings = (plan.shardings if pl.grads_sharded else
-               plan.replicated_shardings)
+  shardings = [s.with_memory_kind("pinned_host") if t else s
+               for s, t in zip(jax.tree.leaves(
+                   plan.shardings if pl.grads_sharded else
+                   plan.replicated_shardings), to_host)]
+
+  def wrt_of(lp, x, h, sharding):
+    # What is differentiated. A handed leaf: its float32 shards, cast a
+    # layer at a time (a 16-bit copy of every shard would be live through
+    # the step), or for shards in host memory a zero-valued stand-in that
+    # takes their gradient (in host memory too where it goes there). Any
+    # other: what forward reads, on the device, in its own layout and in
+    # the dtype its gradient is summed in.
+    if h:
+      return (jax.device_put(jnp.zeros(x.shape, jnp.float32), sharding)
+              if from_host else x)
+    if pl.master_on_host:
+      x = jax.device_put(x, jax.memory.Space.Device)
+    return x.astype(pl.reduce_dtype or jnp.float32)
+
+  tree = jax.tree.structure(source)
+  wrt = tree.unflatten([wrt_of(*a) for a in zip(
+      leaves, jax.tree.leaves(source), handed, shardings)])
+  call = global_loss(layout, loss, seen)
 
   def into_layout(g):
     # Into the update's layout: the compiler sums each gradient there
     # (reduce-scatter, or all-reduce of a replicated one).
-    return jax.tree.map(lambda x, sharding: jax.lax.with_sharding_constraint(
-        x.astype(out), sharding), g, shardings)
+    return tree.unflatten([
+        jax.lax.with_sharding_constraint(x.astype(out), sharding)
+        for x, sharding in zip(jax.tree.leaves(g), shardings)])
 
   def grads_of(batch, key):
     def loss_of_wrt(wrt):
-      full = map_leaves(full_of, plan.leaves, wrt)
-      value, aux = call(full, batch, key, wrt if prefetch else None)
+      full, made = [], []
+      for lp, w, src, h, how in zip(leaves, jax.tree.leaves(wrt),
+                                    jax.tree.leaves(source), handed, hows):
+        if not h:
+          full.append(materialize.cast(w, pl.compute_dtype))
+          continue
+        # (Cast on the shard, copied to the device first from host memory;
+        # its gradient reduce-scattered in the reduce dtype.)
+        src = src if from_host else None
+        full.append(materialize.gather_constrained(
+            lp, layout.mesh, w, src, pl.compute_dtype, pl.reduce_dtype,
+            whole=False, to_host=how.grad_to_host))
+        made.append(materialize.HandedParam(full[-1], lp, w, src, how))
+      value, aux = call(tree.unflatten(full), batch, key, made)
       return (value if scale is None else value * scale), (value, aux)
 
     g, (value, aux) = jax.grad(loss_of_wrt, has_aux=True)(wrt)
@@ -439,9 +463,10 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   micro = split.micro_batches(batch)
   weights = split.weights(micro)
   total = jnp.sum(weights)
-  acc = jax.tree.map(
-      lambda x, sharding: jax.lax.with_sharding_constraint(
-          jnp.zeros(x.shape, jnp.float32), sharding), wrt, shardings)
+  acc = tree.unflatten([
+      jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32),
+                                       sharding)
+      for x, sharding in zip(jax.tree.leaves(wrt), shardings)])
 
   def body(acc, xs):
     b, w, i = xs
