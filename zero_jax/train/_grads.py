@@ -309,8 +309,9 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
   return fn(params, compute_params, batch, rng, scale)
 
 
-# XLA options the global loss's step is compiled with (GPU scheduling; no
-# effect elsewhere): two collectives in flight, so that the compiler's
+# XLA options the global loss's step is compiled with where it does not
+# prefetch (with prefetch: layers.GLOBAL_PREFETCH_COMPILER_OPTIONS; GPU
+# scheduling, no effect elsewhere): two collectives in flight, so that the compiler's
 # gradient reduce-scatters overlap the next layer's backward gemms
 # (compiled for 8 H100s, 1.3B GPT: 93% of their bytes, against none with
 # XLA's default of one, at commit 8701421); its gathers are left
