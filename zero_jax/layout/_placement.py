@@ -113,10 +113,11 @@ class Materialize(enum.Enum):
   # Stage 3 from another copy (the sharded compute copy or host memory);
   # the gradient goes to a zero-valued stand-in of the shard.
   GATHER_FROM = "gather_from"
-  # A loss of global meaning (no ``shard_map`` over the batch): a sharding
-  # constraint has the compiler gather a layer of the (compute-dtype)
-  # parameters, and its custom transpose reduce-scatter the gradient
-  # (``zero_jax.materialize.gather_constrained``).
+  # A loss of global meaning (no ``shard_map`` over the batch): a layer's
+  # float32 shards (or, with offload_params, their copy from host memory)
+  # cast to the compute dtype, which a sharding constraint has the
+  # compiler gather, and whose custom transpose has it reduce-scatter the
+  # gradient (``zero_jax.materialize.gather_constrained``).
   CONSTRAIN = "constrain"
 
 
