@@ -361,7 +361,7 @@ def test_compiled_for_h100s_the_global_step_moves_zeros_bytes():
   and reduce-scatters its gradient as the per-device step does, with the
   same kinds and at most its bytes plus 1%; no gradient is all-reduced
   (the one all-reduce of each is the gradient norm's or the loss's few
-  scalars). Its peak is 0.96x the per-device step's with jax 0.10 and
+  scalars). Its peak is 0.72x the per-device step's with jax 0.10 and
   1.047x with jax 0.12, whose scheduler differs; the bound allows that
   and no more. (At 1.3B and 6.7B both are within 2%:
   experiments/results/stage3_global_prefetch_h100.md.)"""
