@@ -65,6 +65,9 @@ VOCAB, SEQ_LEN, ATTENTION = 50304, 1024, "auto"
 QUICK_SIZES = {
     "tiny": dict(hidden=128, layers=4, heads=4, micro_batch=2, vocab=64,
                  seq_len=16, attention="einsum"),
+    # (Only when named: the GPT tests/train/test_loss_scope.py compiles.)
+    "small": dict(hidden=256, layers=4, heads=4, micro_batch=2, vocab=4096,
+                  seq_len=256),
 }
 # zero_jax configurations (stage 3 unless "stage" says otherwise): name ->
 # ZeroConfig overrides.
@@ -249,7 +252,8 @@ def in_subprocess(spec: dict, args: argparse.Namespace) -> dict:
 def plan(args: argparse.Namespace) -> list[dict]:
   """The runs: per size, per N, every config then GSPMD."""
   sizes = QUICK_SIZES if args.quick else SIZES
-  names = (args.sizes.split(",") if args.sizes else list(sizes))
+  names = (args.sizes.split(",") if args.sizes else
+           ["tiny"] if args.quick else list(sizes))
   ns = [int(n) for n in (args.devices or ("8" if args.quick else
                                           "8,64,256")).split(",")]
   runs = (args.configs.split(",") if args.configs else

@@ -66,7 +66,8 @@ COMPILER_OPTIONS = {
 # it has not made); left uncombined, each leaf's reduction starts as its
 # gradient is made and overlaps the rest of the layer's backward (compiled
 # for 8 H100s with jax 0.10.2, 1.3B GPT: 57% of their bytes overlap a
-# gemm, against 7% combined; experiments/results/stage3_global_prefetch_h100.md).
+# gemm, against 7% combined;
+# experiments/results/stage3_global_prefetch_h100.md).
 GLOBAL_COMPILER_OPTIONS = {
     **COMPILER_OPTIONS,
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,

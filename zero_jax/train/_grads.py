@@ -311,8 +311,8 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
 
 # XLA options the global loss's step is compiled with where it does not
 # prefetch (with prefetch: layers.GLOBAL_PREFETCH_COMPILER_OPTIONS; GPU
-# scheduling, no effect elsewhere): two collectives in flight, so that the compiler's
-# gradient reduce-scatters overlap the next layer's backward gemms
+# scheduling, no effect elsewhere): two collectives in flight, so that the
+# compiler's gradient reduce-scatters overlap the next layer's backward gemms
 # (compiled for 8 H100s, 1.3B GPT: 93% of their bytes, against none with
 # XLA's default of one, at commit 8701421); its gathers are left
 # uncombined, which keeps their overlap
@@ -344,7 +344,8 @@ def global_loss(layout, loss: Loss, seen: dict[str, int] | None = None
 
   def loss_of(full, batch, key, handed=()):
     context = materialize.LossContext.of(
-        list(handed), layout.remat, cfg.remat_names, full=full, units=layout.units,
+        list(handed), layout.remat, cfg.remat_names, full=full,
+        units=layout.units,
         layer_classes=cfg.layer_classes,
         partition_activations=cfg.partition_activations,
         prefetch=layout.prefetch, batch_sharding=layout.batch.sharding)
