@@ -99,6 +99,16 @@ CONFIGS = {
     "global offload params": {"offload_params": "host",
                               "reduce_dtype": "bfloat16",
                               "loss_scope": "global"},
+    # ZeRO++ with the global loss (gradient sums in bf16, as the global
+    # loss's), beside the per-device step with the same sums: hpZ's
+    # secondary copy and qwZ's int8 gathers by sharding constraints.
+    "hpz reduce bf16": {"hpz_partition_size": 8, "reduce_dtype": "bfloat16"},
+    "global hpz": {"hpz_partition_size": 8, "reduce_dtype": "bfloat16",
+                   "loss_scope": "global"},
+    "qwZ reduce bf16": {"quantized_weights": True,
+                        "reduce_dtype": "bfloat16"},
+    "global qwZ": {"quantized_weights": True, "reduce_dtype": "bfloat16",
+                   "loss_scope": "global"},
     # The global loss, each layer gathered where the compiler places it.
     "global no prefetch": {"loss_scope": "global", "reduce_dtype": "bfloat16",
                            "prefetch": False},
@@ -187,7 +197,8 @@ def measure(spec: dict) -> dict:
       "peak_bytes": mem.peak, "temp_bytes": mem.temp,
       "argument_bytes": mem.argument, "output_bytes": mem.output,
       "alias_bytes": mem.alias, "state_bytes": state_bytes,
-      "cross_node_bytes": cross_node_bytes(analysis, c.hlo),
+      "cross_node_bytes": analysis.sent_across_nodes(c.hlo,
+                                                    GPUS_PER_NODE),
       "collectives": [{"kind": k, "dtype": dt, **d} for (k, dt), d in
                       sorted(c.collectives.items())],
       # Per kind, a combined collective of several dtypes once.
@@ -203,24 +214,6 @@ def measure(spec: dict) -> dict:
           resource.RUSAGE_SELF).ru_maxrss * 1024,
       "jax": jax.__version__,
   }
-
-
-def cross_node_bytes(analysis, hlo: str) -> int:
-  """Bytes each device sends per step in collectives whose replica groups
-  span nodes of ``GPUS_PER_NODE`` consecutive devices (groups the parser
-  cannot read count as spanning). Per collective, from its result's bytes
-  B in groups of g (ring algorithms): all-gather and all-to-all send
-  B (g-1)/g, reduce-scatter B (g-1), all-reduce 2 B (g-1)/g."""
-  total = 0.0
-  for c in analysis.collectives(hlo):
-    if c.groups is not None and all(
-        len({d // GPUS_PER_NODE for d in g}) == 1 for g in c.groups):
-      continue
-    g = len(c.groups[0]) if c.groups else 2
-    share = {"reduce-scatter": g - 1, "all-reduce": 2 * (g - 1) / g}.get(
-        c.kind, (g - 1) / g)
-    total += c.bytes * c.executions * share
-  return int(total)
 
 
 # ------------------------------------------------------------------ parent

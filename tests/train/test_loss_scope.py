@@ -285,6 +285,19 @@ def test_layers_gathered_one_layer_ahead_with_a_global_loss(mesh, prefetch):
           "the one before it runs" in engine.describe())
 
 
+@pytest.mark.parametrize("loss", ["masked_mean", "gpt"])
+def test_global_loss_trains_as_one_device_with_hpz(loss):
+  """ZeRO++'s hpZ on (replica 2, data 4) with a global loss: each layer is
+  gathered across the groups into the secondary copy, then inside the
+  group, and four steps equal one device's. (What crosses the groups,
+  compiled for GPUs: tests/analysis/test_gpu_hpz.py.)"""
+  engine, params, batches = _accumulating(loss, 3, "replica",
+                                          hpz_partition_size=4)
+  losses, out, _ = m.train_engine(engine, params, batches)
+  m.assert_matches(losses, out, *_reference(loss))
+  assert "hpZ" in engine.describe()
+
+
 @pytest.mark.parametrize("framework,accum", [("nnx", 2), ("linen", 1)])
 def test_blocks_called_in_a_python_loop_with_a_global_loss(framework, accum):
   """Flax NNX and Linen transformers whose blocks are called in a loop
@@ -408,14 +421,14 @@ def test_compiled_for_h100s_offloaded_parameters_move_what_per_device_ones_do(
 
 
 @pytest.mark.parametrize("field,value,base", [
-    ("hpz_partition_size", 2, {}), ("quantized_gradients", True, {}),
-    ("quantized_weights", True, {}), ("prefetch", True, _STAGE2_BF16),
+    ("quantized_gradients", True, {}), ("prefetch", True, _STAGE2_BF16),
     ("compute_dtype", "bfloat16", {})])
-def test_what_the_global_loss_does_not_yet_run_with_is_refused(field,
-                                                               value, base):
-  """Each combination not yet built is an error naming both fixes, never
-  a silent fallback to the per-device meaning. (Stage 2's prefetch keeps
-  each gathered layer for backward; stage 3's runs, below.)"""
+def test_what_the_global_loss_does_not_run_with_is_refused(field, value,
+                                                           base):
+  """Each combination not built is an error naming both fixes, never a
+  silent fallback to the per-device meaning. (qgZ quantizes each device's
+  own gradient, which the compiler's sums never hold; stage 2's prefetch
+  keeps each gathered layer for backward; stage 3's runs, above.)"""
   kw = {"stage": 3, **base, "loss_scope": "global", field: value}
   with pytest.raises(ValueError, match=r"loss_scope='per_device'") as e:
     zj.ZeroConfig(**kw)

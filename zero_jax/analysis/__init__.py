@@ -28,8 +28,8 @@ from zero_jax.analysis._gpt_step import (compile_gpt, compile_gspmd_gpt,
                                          compile_gspmd_step, gpt_shapes,
                                          pinned_gpt_loss)
 from zero_jax.analysis._hlo import (Collective, axes_of, collectives,
-                                    replica_groups, summarize,
-                                    summarize_by_dtype)
+                                    replica_groups, sent_across_nodes,
+                                    summarize, summarize_by_dtype)
 from zero_jax.analysis._measure import (CompiledMemory, bytes_by_memory_kind,
                                         compiled_memory, param_count,
                                         per_device_bytes, train_state_bytes)
@@ -82,6 +82,7 @@ __all__ = [
     "per_device_bytes",
     "pinned_gpt_loss",
     "replica_groups",
+    "sent_across_nodes",
     "summarize",
     "summarize_by_dtype",
     "target_spec",

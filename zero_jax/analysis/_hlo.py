@@ -342,3 +342,26 @@ def closing_paren(text: str, start: int) -> int:
       if depth == 0:
         return i
   return len(text) - 1
+
+
+def sent_across_nodes(hlo_text: str, gpus_per_node: int) -> int:
+  """Bytes each device sends per step in collectives whose replica groups
+  span nodes of ``gpus_per_node`` consecutive devices (groups the parser
+  cannot read count as spanning). Per collective, from its result's bytes
+  B in groups of g (ring algorithms): all-gather and all-to-all send
+  B (g-1)/g, reduce-scatter B (g-1), all-reduce 2 B (g-1)/g.
+
+  Args:
+    hlo_text: a compiled step's HLO.
+    gpus_per_node: devices per node, numbered node by node.
+  """
+  total = 0.0
+  for c in collectives(hlo_text):
+    if c.groups is not None and all(
+        len({d // gpus_per_node for d in g}) == 1 for g in c.groups):
+      continue
+    g = len(c.groups[0]) if c.groups else 2
+    share = {"reduce-scatter": g - 1, "all-reduce": 2 * (g - 1) / g}.get(
+        c.kind, (g - 1) / g)
+    total += c.bytes * c.executions * share
+  return int(total)

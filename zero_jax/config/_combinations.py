@@ -84,13 +84,21 @@ def _check_global(config: Any) -> None:
   """Raises where ``loss_scope="global"`` meets a field it does not yet
   carry: naming the field and both fixes."""
   unsupported = {
-      "hpz_partition_size": config.hpz_partition_size > 1,
-      "quantized_weights": config.quantized_weights,
-      "quantized_gradients": config.quantized_gradients,
       # (Stage 2's prefetch keeps each gathered layer for backward, by
       # collectives of the per-device step.)
       "prefetch": config.prefetch is True and config.stage != 3,
   }
+  if config.quantized_gradients:
+    # (qgZ quantizes each device's own gradient before the sum; with a
+    # global loss the compiler sums each gradient where the matmul makes
+    # it, so no device ever holds its own to quantize.)
+    raise ValueError(
+        "ZeroConfig.quantized_gradients (qgZ) quantizes each device's own "
+        "gradient before it is summed; with loss_scope='global' the "
+        "compiler sums gradients where the loss makes them, so there is "
+        "none to quantize: use loss_scope='per_device' (the loss averaged "
+        "over the devices' slices of the batch, DeepSpeed's meaning) for "
+        "qgZ, or quantized_gradients=False.")
   asked = [name for name, on in unsupported.items() if on]
   if (config.compute_dtype in ("bfloat16", "float16")
       and config.reduce_dtype != config.compute_dtype):

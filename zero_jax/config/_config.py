@@ -186,7 +186,8 @@ class ZeroConfig:
       and sums them in float32 (about 0.26x the bytes of a float32
       reduce-scatter). Approximate: each device's contribution is off by
       at most half its block's ``max |g| / 127``. Replicated leaves (below
-      ``min_shard_elements``) are still all-reduced exactly.
+      ``min_shard_elements``) are still all-reduced exactly. Not with
+      ``loss_scope="global"``.
     prefetch: ``zero_jax.scan_layers`` gathers layer i+1's parameters
       while layer i runs, forward and backward (XLA combines a layer's
       gathers into one collective), and reduces a layer's gradients as
@@ -225,15 +226,20 @@ class ZeroConfig:
       of the parameters per device, kept for backward); backward's
       gathers read that copy and never leave the group. Exact (the same
       float32 sums: over the group, then across groups). Not with
-      offload, prefetch or a ``model`` axis.
+      offload, prefetch or a ``model`` axis. With
+      ``loss_scope="global"`` sharding constraints place the same two
+      gathers, and each layer's gradient is summed over the group, then
+      across groups, in ``reduce_dtype``.
     loss_scope: what ``loss_fn``'s value means. ``"per_device"`` (for
       now the default): the mean of ``loss_fn`` over the devices' slices of
       the batch, DeepSpeed's meaning. ``"global"``: one device's, given the
       whole global batch (padded token means, in-batch negatives, batch
       statistics), its collectives left to the compiler on the same
       layout; with a 16-bit ``compute_dtype``, ``reduce_dtype`` must name
-      it. Not yet with hpZ, ZeRO++ or stage 2's ``prefetch=True``
-      (docs/usage.md).
+      it. hpZ and qwZ run with it, their gathers placed by sharding
+      constraints; not qgZ, which quantizes each device's own gradient
+      before the sum (the compiler's sums hold none), nor stage 2's
+      ``prefetch=True`` (docs/usage.md).
     accumulation: what a step of several micro-batches
       (``grad_accum_steps > 1``) trains. None: the loss scope's own
       meaning (``"whole_batch"`` with a global loss; the mean over

@@ -74,6 +74,11 @@ class Materializer:
 
   def _make(self, plan: LeafPlan, shard: jax.Array,
             source: jax.Array | None) -> jax.Array:
+    if self.kind is Materialize.CONSTRAIN:
+      return gather_constrained(plan, self.mesh, shard, source,
+                                self.compute_dtype, self.reduce_dtype,
+                                to_host=self.grad_to_host,
+                                quantize=self.quantize)
     if plan.hierarchical:
       if self.kind is not Materialize.GATHER:
         raise ValueError(
@@ -82,10 +87,6 @@ class Materializer:
             "hpz_partition_size=1.")
       return gather_hierarchical(plan, shard, self.compute_dtype,
                                  self.reduce_dtype, self.quantize)
-    if self.kind is Materialize.CONSTRAIN:
-      return gather_constrained(plan, self.mesh, shard, source,
-                                self.compute_dtype, self.reduce_dtype,
-                                to_host=self.grad_to_host)
     if self.kind is Materialize.GATHER:
       return collectives.gather_leaf(plan, shard, self.compute_dtype,
                                      self.reduce_dtype, self.quantize)

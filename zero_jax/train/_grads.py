@@ -397,15 +397,18 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   # one layer at a time from host memory (``offload_params``), each
   # streamed leaf's gradient sent back there as backward makes it
   # (``Placement.grads_on_host``).
+  # hpZ's leaves and qwZ's are gathered their own way wherever they are
+  # used (``own``), not by the compiler.
   from_host = pl.gathers_from_host
-  handed = [(layout.prefetch is not Prefetch.OFF or from_host) and lp.sharded
-            for lp in leaves]
+  own = [lp.hierarchical or pl.quantize.weights for lp in leaves]
+  handed = [(layout.prefetch is not Prefetch.OFF or from_host or o)
+            and lp.sharded for lp, o in zip(leaves, own)]
   to_host = [h and pl.grads_on_host and layout.grads.grads_to_host[i]
              for i, h in enumerate(handed)]
   hows = [materialize.Materializer(
       Materialize.CONSTRAIN, pl.compute_dtype, pl.reduce_dtype,
-      to_device=from_host, grad_to_host=t, mesh=layout.mesh)
-          for t in to_host]
+      to_device=from_host, grad_to_host=t, quantize=pl.quantize,
+      mesh=layout.mesh) for t in to_host]
   out = pl.host_grad_dtype or jnp.float32
   shardings = [s.with_memory_kind("pinned_host") if t else s
                for s, t in zip(jax.tree.leaves(
@@ -441,17 +444,20 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   def grads_of(batch, key):
     def loss_of_wrt(wrt):
       full, made = [], []
-      for lp, w, src, h, how in zip(leaves, jax.tree.leaves(wrt),
-                                    jax.tree.leaves(source), handed, hows):
+      for lp, w, src, h, o, how in zip(leaves, jax.tree.leaves(wrt),
+                                       jax.tree.leaves(source), handed, own,
+                                       hows):
         if not h:
           full.append(materialize.cast(w, pl.compute_dtype))
           continue
         # (Cast on the shard, copied to the device first from host memory;
-        # its gradient reduce-scattered in the reduce dtype.)
+        # its gradient reduce-scattered in the reduce dtype. Gathered here
+        # if hpZ's or qwZ's; in one reduce-scatter, see gather_constrained.)
         src = src if from_host else None
         full.append(materialize.gather_constrained(
             lp, layout.mesh, w, src, pl.compute_dtype, pl.reduce_dtype,
-            whole=False, to_host=how.grad_to_host))
+            whole=o, to_host=how.grad_to_host, quantize=pl.quantize,
+            by_group=False))
         made.append(materialize.HandedParam(full[-1], lp, w, src, how))
       value, aux = call(tree.unflatten(full), batch, key, made)
       return (value if scale is None else value * scale), (value, aux)
