@@ -301,8 +301,9 @@ def test_global_loss_trains_as_one_device_with_hpz(loss):
 @pytest.mark.parametrize("framework,accum", [("nnx", 2), ("linen", 1)])
 def test_blocks_called_in_a_python_loop_with_a_global_loss(framework, accum):
   """Flax NNX and Linen transformers whose blocks are called in a loop
-  train as one device at stage 3, over one micro-batch or two; the
-  description says the engine runs no block on its own there."""
+  train as one device at stage 3, over one micro-batch or two, each block
+  run as a unit (gathered at its call by sharding constraints, as
+  ``scan_layers`` gathers a layer), and the description says so."""
   from zero_jax.models import loop_gpt  # pylint: disable=g-import-not-at-top
 
   loss_fn, params = loop_gpt(framework, vocab=16, d=32, heads=2, layers=4)
@@ -319,7 +320,9 @@ def test_blocks_called_in_a_python_loop_with_a_global_loss(framework, accum):
   losses, out, _ = m.train_engine(engine, params, batches)
   m.assert_matches(losses, out,
                    *m.train_reference(loss_fn, tx, params, batches))
-  assert "blocks: not run one at a time" in engine.describe()
+  assert engine.units_seen == {("Block" if framework == "nnx" else
+                                "LinenBlock"): 4}
+  assert "run one at a time" in engine.describe()
 
 
 def test_aux_and_the_key_are_the_whole_batchs():

@@ -76,11 +76,10 @@ class LossContext:
   @property
   def runs_units(self) -> bool:
     """Whether blocks called as units (``zero_jax.layer``, Flax modules of
-    ``layer_classes``) gather their own parameters: inside the per-device
-    step, where parameters were handed over. With a loss of global meaning
-    the compiler gathers each parameter where the loss uses it; only
-    ``scan_layers`` gathers one layer ahead there."""
-    return bool(self.params) and self.batch_sharding is None
+    ``layer_classes``) gather their own parameters: wherever parameters
+    were handed over (with a loss of global meaning, where the engine
+    gathers them itself: ``zero_jax.train``'s ``hands_over``)."""
+    return bool(self.params)
 
   def unit_of(self, leaves: list[Any]) -> Any:
     """The unit whose parameters are exactly ``leaves`` (the arrays handed

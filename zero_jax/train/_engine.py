@@ -20,7 +20,7 @@ from zero_jax.config import RematPolicy, ZeroConfig
 from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
                              model_specs)
 from zero_jax.train import _accumulate, _auto_remat, _init
-from zero_jax.train._grads import Loss, describe_loss
+from zero_jax.train._grads import Loss, describe_loss, hands_over
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
                                     describe_prefetch, signature)
 from zero_jax.train._runner import StepFunction
@@ -368,9 +368,10 @@ class Engine:
     prefetch = describe_prefetch(cfg, pl, layout.prefetch)
     if prefetch:
       lines.append(prefetch)
-    if cfg.loss_scope == "global" and pl.stage >= 2:
+    if (cfg.loss_scope == "global" and pl.stage >= 2 and
+        not hands_over(layout)):
       lines.append("blocks: not run one at a time by the engine with "
-                   "loss_scope='global'; the compiler gathers each "
+                   "loss_scope='global' here; the compiler gathers each "
                    "parameter where the loss uses it")
     else:
       lines.extend(layers.describe_units(layout.units, self.units_seen,

@@ -333,6 +333,18 @@ def describe_loss(config: Any, placement: Placement) -> str:
           f"{summed})")
 
 
+def hands_over(layout) -> bool:
+  """Whether a step with a loss of global meaning gathers sharded
+  parameters itself, by sharding constraints (``gather_constrained``)
+  rather than where the compiler places it: each scanned layer one layer
+  ahead (prefetch), from host memory (``offload_params``), or hpZ's and
+  qwZ's own way. Blocks called in a Python loop then run one at a time,
+  as in the per-device step."""
+  pl = layout.placement
+  return (layout.prefetch is not Prefetch.OFF or pl.gathers_from_host or
+          pl.quantize.weights or layout.config.hpz_partition_size > 1)
+
+
 def global_loss(layout, loss: Loss, seen: dict[str, int] | None = None
                 ) -> Callable[..., tuple[jax.Array, Any]]:
   """``loss_of(full, batch, key, handed=()) -> (loss, aux)``: the engine's
@@ -401,8 +413,7 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   # used (``own``), not by the compiler.
   from_host = pl.gathers_from_host
   own = [lp.hierarchical or pl.quantize.weights for lp in leaves]
-  handed = [(layout.prefetch is not Prefetch.OFF or from_host or o)
-            and lp.sharded for lp, o in zip(leaves, own)]
+  handed = [hands_over(layout) and lp.sharded for lp in leaves]
   to_host = [h and pl.grads_on_host and layout.grads.grads_to_host[i]
              for i, h in enumerate(handed)]
   hows = [materialize.Materializer(
