@@ -368,8 +368,7 @@ class Engine:
     prefetch = describe_prefetch(cfg, pl, layout.prefetch)
     if prefetch:
       lines.append(prefetch)
-    if (cfg.loss_scope == "global" and pl.stage >= 2 and
-        not hands_over(layout)):
+    if cfg.loss_scope == "global" and pl.stage > 1 and not hands_over(layout):
       lines.append("blocks: not run one at a time by the engine with "
                    "loss_scope='global' here; the compiler gathers each "
                    "parameter where the loss uses it")
