@@ -413,7 +413,8 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   # used (``own``), not by the compiler.
   from_host = pl.gathers_from_host
   own = [lp.hierarchical or pl.quantize.weights for lp in leaves]
-  handed = [hands_over(layout) and lp.sharded for lp in leaves]
+  hands = hands_over(layout)
+  handed = [hands and lp.sharded for lp in leaves]
   to_host = [h and pl.grads_on_host and layout.grads.grads_to_host[i]
              for i, h in enumerate(handed)]
   hows = [materialize.Materializer(
@@ -466,8 +467,8 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
         # if hpZ's or qwZ's; in one reduce-scatter, see gather_constrained.)
         src = src if from_host else None
         full.append(materialize.gather_constrained(
-            lp, layout.mesh, w, src, pl.compute_dtype, pl.reduce_dtype,
-            whole=o, to_host=how.grad_to_host, quantize=pl.quantize,
+            lp, how.mesh, w, src, how.compute_dtype, how.reduce_dtype,
+            whole=o, to_host=how.grad_to_host, quantize=how.quantize,
             by_group=False))
         made.append(materialize.HandedParam(full[-1], lp, w, src, how))
       value, aux = call(tree.unflatten(full), batch, key, made)
