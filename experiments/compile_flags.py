@@ -45,7 +45,8 @@ GPU_STEPS = (
     ("data 4 x model 2", dict(devices=8, stage=3, model=2,
                               attention="auto")),
     ("qwZ + qgZ", dict(devices=8, stage=3, overrides={
-        "quantized_weights": True, "quantized_gradients": True})),
+        "quantized_weights": True, "quantized_gradients": True,
+        "loss_scope": "per_device"})),
     ("offload_optimizer, 1 x h100", dict(devices=1, stage=3,
                                          offload_optimizer=True)),
     ("cuDNN attention, 1 x h100", dict(devices=1, stage=3, seq_len=256,

@@ -168,8 +168,11 @@ def compile_zero(loss_fn, tx, params, batch, mesh, stage: int):
   Without prefetch: the paper's schedule, each layer gathered where it is
   used. (Prefetch, the default, also gathers and reduces its first and
   last layers twice: 4/L of the layers' Ψ more; experiments/stage3_bench.py
-  measures it.)"""
-  engine = zj.Engine(loss_fn, tx, zj.ZeroConfig(stage=stage, prefetch=False),
+  measures it.) The per-device loss: its own collectives are the paper's
+  on any backend, where a global loss's are the compiler's, which on CPUs
+  all-reduces what it reduce-scatters on GPUs."""
+  engine = zj.Engine(loss_fn, tx, zj.ZeroConfig(stage=stage, prefetch=False,
+                                                loss_scope="per_device"),
                      mesh)
   c = analysis.compile_step(engine, params, batch)
   return c.memory, c.hlo, per_device_bytes(engine.abstract_state(params))

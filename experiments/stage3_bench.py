@@ -72,46 +72,45 @@ QUICK_SIZES = {
 # zero_jax configurations (stage 3 unless "stage" says otherwise): name ->
 # ZeroConfig overrides.
 CONFIGS = {
-    # (Prefetch "auto": each scanned layer gathered one layer ahead.)
+    # The default: a loss of one device's meaning (``loss_scope="global"``),
+    # its collectives the compiler's on the ZeRO layout, each scanned layer
+    # gathered one layer ahead by sharding constraints (prefetch "auto"),
+    # its gradients summed in the compute dtype (bf16).
     "default": {},
     # Each layer gathered at the top of its own iteration.
     "no prefetch": {"prefetch": False},
-    "reduce bf16": {"reduce_dtype": "bfloat16"},
-    # ZeRO++'s quantized collectives (approximate).
-    "qwZ + qgZ": {"quantized_weights": True, "quantized_gradients": True},
+    # The per-device loss (DeepSpeed's meaning), with its own collectives:
+    # bf16 gradients summed in fp32 by an all-to-all, or in bf16.
+    "per device": {"loss_scope": "per_device"},
+    "per device reduce bf16": {"loss_scope": "per_device",
+                               "reduce_dtype": "bfloat16"},
+    # ZeRO++'s quantized collectives (approximate); qgZ needs the
+    # per-device loss, which quantizes each device's own gradient.
+    "qwZ": {"quantized_weights": True},
+    "qwZ per device": {"quantized_weights": True,
+                       "reduce_dtype": "bfloat16",
+                       "loss_scope": "per_device"},
+    "qwZ + qgZ per device": {"quantized_weights": True,
+                             "quantized_gradients": True,
+                             "loss_scope": "per_device"},
     # ZeRO++'s hpZ over nodes of GPUS_PER_NODE (N > GPUS_PER_NODE only).
     "hpz": {"hpz_partition_size": 8},
-    # Stage 2: the replicated bf16 copy all-gathered after the update
-    # (prefetch off), and the default, which keeps no copy and gathers the
+    "hpz per device": {"hpz_partition_size": 8, "reduce_dtype": "bfloat16",
+                       "loss_scope": "per_device"},
+    # Stage 2: the replicated bf16 copy, its gradients reduce-scattered a
+    # layer at a time; per device, also without a copy, gathering the
     # master's shards in bf16 one layer ahead in forward (FSDP's
     # SHARD_GRAD_OP).
-    "stage 2 (no prefetch)": {"stage": 2, "prefetch": False},
     "stage 2": {"stage": 2},
-    # The loss of one device's meaning (``loss_scope="global"``): the
-    # loss's collectives the compiler's, with scan_layers' inputs split over
-    # the batch and each layer gathered one layer ahead by sharding
-    # constraints; its gradient sums run in bf16 (compare "reduce bf16").
-    "global loss": {"loss_scope": "global", "reduce_dtype": "bfloat16"},
+    "stage 2 per device (no prefetch)": {"stage": 2, "prefetch": False,
+                                         "loss_scope": "per_device"},
+    "stage 2 per device": {"stage": 2, "loss_scope": "per_device"},
     # The fp32 master in host memory, each scanned layer's shards copied
-    # to the device inside the layer loop (gradient sums in bf16, as the
-    # global loss's), per-device and global.
-    "offload params": {"offload_params": "host", "reduce_dtype": "bfloat16"},
-    "global offload params": {"offload_params": "host",
-                              "reduce_dtype": "bfloat16",
-                              "loss_scope": "global"},
-    # ZeRO++ with the global loss (gradient sums in bf16, as the global
-    # loss's), beside the per-device step with the same sums: hpZ's
-    # secondary copy and qwZ's int8 gathers by sharding constraints.
-    "hpz reduce bf16": {"hpz_partition_size": 8, "reduce_dtype": "bfloat16"},
-    "global hpz": {"hpz_partition_size": 8, "reduce_dtype": "bfloat16",
-                   "loss_scope": "global"},
-    "qwZ reduce bf16": {"quantized_weights": True,
-                        "reduce_dtype": "bfloat16"},
-    "global qwZ": {"quantized_weights": True, "reduce_dtype": "bfloat16",
-                   "loss_scope": "global"},
-    # The global loss, each layer gathered where the compiler places it.
-    "global no prefetch": {"loss_scope": "global", "reduce_dtype": "bfloat16",
-                           "prefetch": False},
+    # to the device inside the layer loop.
+    "offload params": {"offload_params": "host"},
+    "offload params per device": {"offload_params": "host",
+                                  "reduce_dtype": "bfloat16",
+                                  "loss_scope": "per_device"},
 }
 GPUS_PER_NODE = 8
 GSPMD = "gspmd"

@@ -128,6 +128,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace,
   p.add_argument("--quantized-gradients", action="store_true",
                  default=None,
                  help="ZeRO++'s qgZ: int8 gradient all-to-alls (stages 1-3)")
+  p.add_argument("--loss-scope", default="global",
+                 choices=("global", "per_device"),
+                 help="what the loss means: one device's over the whole "
+                 "batch (global, default) or the mean of each device's "
+                 "(per_device, DeepSpeed's; qgZ needs it)")
   p.add_argument("--preset", default="auto", choices=("auto",) + tuple(
       PRESETS), help="model and run size (auto: gpu on a GPU, else cpu); "
       "the flags below override it")
@@ -288,7 +293,8 @@ def make_zero_config(args) -> zj.ZeroConfig:
       ("attn_output", "mlp_hidden")
       if args.remat in ("save_only_named", "offload_to_host") else ()))
   if args.deepspeed_config:
-    config = zj.from_deepspeed(args.deepspeed_config)
+    config = zj.from_deepspeed(args.deepspeed_config,
+                               loss_scope=args.loss_scope)
     return dataclasses.replace(config, **remat)
   return zj.ZeroConfig(stage=args.stage, compute_dtype=args.compute_dtype,
                        grad_accum_steps=args.grad_accum_steps,
@@ -296,7 +302,7 @@ def make_zero_config(args) -> zj.ZeroConfig:
                        offload_optimizer=args.offload_optimizer,
                        quantized_weights=bool(args.quantized_weights),
                        quantized_gradients=bool(args.quantized_gradients),
-                       **remat)
+                       loss_scope=args.loss_scope, **remat)
 
 
 # ------------------------------------------------------------ memory table

@@ -29,7 +29,12 @@ def test_params_already_on_the_mesh_are_copied_too():
 
 
 def test_step_is_jitted_and_lowerable():
-  engine = _engine(3)
+  # (A reduce-scatter on CPU is the per-device step's own collective: the
+  # global step's are the compiler's, tests/train/test_loss_scope.py's.)
+  engine = zj.Engine(m.mlp_loss, optax.adam(1e-2),
+                     zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                   loss_scope="per_device"),
+                     zj.make_mesh(num_devices=8))
   state = engine.init(m.mlp_params())
   batch = m.mlp_batches(1)[0]
   compiled = engine.step.lower(state, batch).compile()
@@ -88,7 +93,10 @@ def test_aux_is_averaged_over_devices(stage):
     return m.mlp_loss(p, b), {"x_mean": jnp.mean(b["x"]),
                               "first": b["x"][0, 0]}
 
-  engine = zj.Engine(loss_fn, optax.sgd(0.1), zj.ZeroConfig(stage=stage),
+  # (Aux averaged over the devices' slices is the per-device loss's
+  # meaning; the global loss's aux is tests/train/test_loss_scope.py's.)
+  engine = zj.Engine(loss_fn, optax.sgd(0.1),
+                     zj.ZeroConfig(stage=stage, loss_scope="per_device"),
                      zj.make_mesh(num_devices=8), has_aux=True)
   batch = m.mlp_batches(1)[0]
   _, metrics = engine.step(engine.init(m.mlp_params()), batch)
@@ -103,7 +111,9 @@ def test_rng_differs_per_step_and_per_device():
   def loss_fn(p, b, key):
     return m.mlp_loss(p, b), {"u": jax.random.uniform(key)}
 
-  config = zj.ZeroConfig(stage=3, seed=7)
+  # (A key per device is the per-device loss's; the global loss's one key
+  # a step is tests/train/test_loss_scope.py's.)
+  config = zj.ZeroConfig(stage=3, seed=7, loss_scope="per_device")
   engine = zj.Engine(loss_fn, optax.sgd(0.1), config,
                      zj.make_mesh(num_devices=8), has_aux=True, with_rng=True)
   state = engine.init(m.mlp_params())

@@ -34,7 +34,7 @@ def gpt(n_layers: int = 4):
 
 @functools.cache
 def step(stage: int, n_layers: int = 4, replica: int = 1,
-         compute_dtype: str | None = None):
+         compute_dtype: str | None = None, loss_scope: str = "global"):
   """``(engine, state, compiled)``: AdamW at ``stage`` on 8 devices
   (``replica`` groups), initialized and its step compiled for ``gpt``'s
   batch.
@@ -47,7 +47,8 @@ def step(stage: int, n_layers: int = 4, replica: int = 1,
           zj.make_mesh(num_devices=N, replica=replica))
   engine = zj.Engine(loss_fn, optax.adamw(1e-3),
                      zj.ZeroConfig(stage=stage, prefetch=False,
-                                   compute_dtype=compute_dtype), mesh)
+                                   compute_dtype=compute_dtype,
+                                   loss_scope=loss_scope), mesh)
   state = engine.init(params)
   return engine, state, engine.step.lower(state, batch).compile()
 

@@ -302,7 +302,10 @@ def gpt():
   _, params, batch = _shared.gpt()
 
   def compiled(stage, replica=1, compute_dtype=None):
-    return _shared.step(stage, replica=replica, compute_dtype=compute_dtype)
+    # (The per-device step's own collectives, which estimate_comm counts:
+    # on CPU the global step's compiler all-reduces gradients.)
+    return _shared.step(stage, replica=replica, compute_dtype=compute_dtype,
+                        loss_scope="per_device")
 
   return params, batch, compiled
 

@@ -45,12 +45,15 @@ _1_3B = dict(layers=24, hidden=2048, heads=16, vocab=50304, seq_len=1024,
 
 
 # (Without prefetch, whose first and last layers are gathered and reduced
-# twice: tests/layers/test_prefetch.py counts its collectives.)
+# twice: tests/layers/test_prefetch.py counts its collectives. The
+# per-device step's own collectives: the global step's are
+# tests/train/test_loss_scope.py's.)
 def _tiny(stage, compute_dtype="bfloat16", layers=4, overrides=None,
           **options):
   return _shared.compile_gpt(
       "h100", N, stage, compute_dtype=compute_dtype,
-      overrides={"prefetch": False, **(overrides or {})},
+      overrides={"prefetch": False, "loss_scope": "per_device",
+                 **(overrides or {})},
       **dict(_TINY, layers=layers), **options)
 
 
@@ -186,10 +189,13 @@ _SLICE_BYTES = 4 << 20
 @functools.cache
 def _wide(**options):
   """``compile_gpt`` of the wide shape on one H100 with the lowered slice
-  budget (which only the streamed update reads), once per options."""
+  budget (which only the streamed update reads), once per options. (The
+  per-device step's, whose gradient shards go to the host as backward
+  makes them: the global step's offload is tests/train/test_loss_scope.py's.)"""
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(offload, "SLICE_BYTES", _SLICE_BYTES)
-    return compile_gpt("h100", 1, 3, **_WIDE, **options)
+    return compile_gpt("h100", 1, 3, **_WIDE, **options,
+                       overrides={"loss_scope": "per_device"})
 
 
 def test_offloaded_optimizer_state_is_compiled_into_host_memory():
@@ -400,8 +406,9 @@ def test_cli_prints_the_compiled_step(monkeypatch, capsys):
 
 def test_tensor_parallel_collectives_run_along_their_axes():
   # Compiled for 8 H100s as (data 4, model 2): ZeRO's gathers and
-  # gradient all-to-alls run along 'data' on each model rank's bf16 slice,
-  # the compiler's tensor-parallel collectives along 'model'.
+  # gradient reduce-scatters (bf16 sums: the default global loss's) run
+  # along 'data' on each model rank's bf16 slice, the compiler's
+  # tensor-parallel collectives along 'model'.
   # (attention="auto": the einsum under tensor parallelism.)
   engine, c = _shared.compile_gpt("h100", N, 3, model=2, attention="auto",
                                   **_TINY)
@@ -410,14 +417,17 @@ def test_tensor_parallel_collectives_run_along_their_axes():
   for op in analysis.collectives(c.hlo):
     along.setdefault((op.kind, op.axes(mesh)), []).append(op)
   assert ("all-gather", ("data",)) in along, sorted(along)
-  assert ("all-to-all", ("data",)) in along, sorted(along)
+  assert ("reduce-scatter", ("data",)) in along, sorted(along)
   assert any(axes == ("model",) for _, axes in along), sorted(along)
   assert "bf16" in {d for op in along[("all-gather", ("data",))]
                     for d in op.dtypes}
   # A column-parallel layer's gather holds its model rank's half: the
-  # (d, 4 d) MLP-in layer gathers to (128, 256), never (128, 512).
+  # (d, 4 d) MLP-in layer gathers to 4 blocks of (32, 256) (one per
+  # 'data' device, stacked as GPU collectives concatenate), never to a
+  # (d, 4 d) whole.
   shapes = {s for op in along[("all-gather", ("data",))] for s in op.shapes}
-  assert (128, 256) in shapes and (128, 512) not in shapes, shapes
+  assert (4, 32, 256) in shapes, shapes
+  assert not {(128, 512), (4, 32, 512)} & shapes, shapes
 
 
 def test_cudnn_attention_is_refused_under_tensor_parallelism():

@@ -167,9 +167,14 @@ def test_quantized_collectives_name_the_stages_they_need():
   for stage in (0, 1, 2):
     with pytest.raises(ValueError, match="quantized_weights needs stage=3"):
       zj.ZeroConfig(stage=stage, quantized_weights=True)
+  # (qgZ quantizes each device's own gradient: the default global loss's
+  # sums are the compiler's, so it is refused there, naming the fix.)
+  with pytest.raises(ValueError, match=r"qgZ.*loss_scope='per_device'"):
+    zj.ZeroConfig(stage=1, quantized_gradients=True)
   with pytest.raises(ValueError, match="quantized_gradients needs stage >= 1"):
-    zj.ZeroConfig(stage=0, quantized_gradients=True)
-  cfg = zj.ZeroConfig(stage=1, quantized_gradients=np.bool_(True))
+    zj.ZeroConfig(stage=0, quantized_gradients=True, loss_scope="per_device")
+  cfg = zj.ZeroConfig(stage=1, quantized_gradients=np.bool_(True),
+                      loss_scope="per_device")
   assert cfg.quantized_gradients is True
   assert zj.ZeroConfig(quantized_weights=True).quantized_weights
 

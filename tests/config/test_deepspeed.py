@@ -211,9 +211,20 @@ def test_every_unsupported_key_is_listed_once():
 
 def test_zero_plus_plus_quantization_keys_map_to_config_fields():
   cfg = _load({"zero_optimization": {"stage": 3,
-                                     "zero_quantized_weights": True,
-                                     "zero_quantized_gradients": True}})
+                                     "zero_quantized_weights": True}})
+  assert cfg.quantized_weights and not cfg.quantized_gradients
+  # qgZ quantizes each device's own gradient, which the default global
+  # loss's compiler-made sums never hold: refused, naming the DeepSpeed key
+  # and the fix, the loss_scope keyword, with which it maps.
+  both = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                "zero_quantized_gradients": True}}
+  with pytest.raises(ValueError, match=r"loss_scope='per_device'.*"
+                     r"quantized_gradients is 'zero_optimization\."
+                     r"zero_quantized_gradients'.*loss_scope= keyword"):
+    zj.from_deepspeed(both)
+  cfg = zj.from_deepspeed(both, loss_scope="per_device")
   assert cfg.quantized_weights and cfg.quantized_gradients
+  assert cfg.loss_scope == "per_device"
   off = _load({"zero_optimization": {"stage": 2,
                                      "zero_quantized_weights": False}})
   assert not off.quantized_weights and not off.quantized_gradients
@@ -344,8 +355,26 @@ def test_invalid_zero_config_names_the_deepspeed_key():
     ("fp32", "float32"), ("float32", "float32"), ("fp16", "float16"),
     ("float16", "float16"), ("bf16", "bfloat16"), ("bfloat16", "bfloat16")])
 def test_communication_data_type_maps(value, dtype):
-  cfg = _load({"communication_data_type": value, "bf16": {"enabled": True}})
+  # (With the compute dtype that the default global loss's compiler sums
+  # in; other sums of 16-bit gradients are refused, below.)
+  compute = {"float32": {}, "float16": {"fp16": {"enabled": True}},
+             "bfloat16": {"bf16": {"enabled": True}}}[dtype]
+  cfg = _load({"communication_data_type": value, **compute})
   assert cfg.reduce_dtype == dtype
+
+
+@pytest.mark.parametrize("value", ["fp32", "float32", "fp16"])
+def test_communication_data_type_other_than_bf16_compute_is_refused(value):
+  """With bf16 compute, the default global loss's gradients are summed in
+  bf16 by the compiler's reduce-scatter: another communication_data_type
+  is refused, naming DeepSpeed's key and loss_scope='per_device' (whose
+  16-bit gradients are summed in float32) as the fix."""
+  config = {"communication_data_type": value, "bf16": {"enabled": True}}
+  with pytest.raises(ValueError, match=r"loss_scope='per_device'.*"
+                     r"reduce_dtype is 'communication_data_type'"):
+    zj.from_deepspeed(config)
+  assert zj.from_deepspeed(config, loss_scope="per_device").reduce_dtype == (
+      {"fp16": "float16"}.get(value, "float32"))
 
 
 def test_gradient_clipping():

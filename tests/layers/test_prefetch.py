@@ -182,20 +182,26 @@ def test_auto_runs_a_scan_asking_for_another_remat_without_prefetch():
 @pytest.mark.parametrize("prefetch", [False, True, "auto"])
 def test_the_step_is_compiled_with_prefetchs_options(monkeypatch, prefetch):
   # An option XLA does not know fails the compile that is given it: only
-  # the prefetching step is (at stage 3, remat full, "auto" prefetches).
-  monkeypatch.setattr(zj.layers, "PREFETCH_COMPILER_OPTIONS",
-                      {"xla_no_such_option_for_this_test": 1})
+  # the prefetching step is (at stage 3, remat full, "auto" prefetches),
+  # with the options of its loss scope (the global loss's, by default).
   loss_fn, params, batches = _scan_model()
-  engine = zj.Engine(loss_fn, optax.sgd(0.5),
-                     zj.ZeroConfig(stage=3, prefetch=prefetch,
-                                   min_shard_elements=0),
-                     zj.make_mesh(num_devices=8))
-  state = engine.init(params)
-  if prefetch:
-    with pytest.raises(Exception, match="xla_no_such_option_for_this_test"):
-      engine.step(state, batches[0])
-  else:
-    engine.step(state, batches[0])
+  for scope, options in (("global", "GLOBAL_PREFETCH_COMPILER_OPTIONS"),
+                         ("per_device", "PREFETCH_COMPILER_OPTIONS")):
+    with monkeypatch.context() as patch:
+      patch.setattr(zj.layers, options,
+                    {"xla_no_such_option_for_this_test": 1})
+      engine = zj.Engine(loss_fn, optax.sgd(0.5),
+                         zj.ZeroConfig(stage=3, prefetch=prefetch,
+                                       min_shard_elements=0,
+                                       loss_scope=scope),
+                         zj.make_mesh(num_devices=8))
+      state = engine.init(params)
+      if prefetch:
+        with pytest.raises(Exception,
+                           match="xla_no_such_option_for_this_test"):
+          engine.step(state, batches[0])
+      else:
+        engine.step(state, batches[0])
 
 
 _TINY = dict(layers=4, hidden=128, heads=4, vocab=64, seq_len=16,

@@ -93,8 +93,11 @@ def _callback_loss(params, batch):
 
 def _engine(loss: Callable[..., Any], devices: int, tx: Any = None,
             **config) -> zj.Engine:
+  # (Per device: the out-of-memory loss is traced for a device's slice of
+  # BAD_ROWS_PER_DEVICE rows, which a global loss never sees.)
   return zj.Engine(loss, tx or m.OPTIMIZERS["adamw"](m.LR_SCALE["mlp"]),
-                   zj.ZeroConfig(stage=3, min_shard_elements=0, **config),
+                   zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                 loss_scope="per_device", **config),
                    zj.make_mesh(num_devices=devices))
 
 

@@ -57,10 +57,13 @@ def test_hpz_matches_single_device_optax(model, opt):
 def test_hpz_in_bf16_matches_the_flat_layout():
   # The same bf16 parameters are used; the gradients are summed in float32
   # over the group, then across groups, rather than over all 8 at once.
+  # (Float32 sums of bf16 gradients are the per-device step's; the global
+  # loss sums in bf16, whose order the two layouts change.)
   flat, params, batches = _engine(compute_dtype="bfloat16",
                                   hpz_partition_size=1,
+                                  loss_scope="per_device",
                                   mesh=zj.make_mesh(num_devices=8))
-  hpz, _, _ = _engine(compute_dtype="bfloat16")
+  hpz, _, _ = _engine(compute_dtype="bfloat16", loss_scope="per_device")
   ref_losses, ref_params, _ = m.train_engine(flat, params, batches)
   losses, out, state = m.train_engine(hpz, params, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -70,10 +73,12 @@ def test_hpz_in_bf16_matches_the_flat_layout():
 
 def test_hpz_with_quantized_gathers_and_gradients_tracks_optax():
   # qwZ's int8 blocks cross the groups and are kept as the secondary copy;
-  # qgZ's int8 gradient blocks are summed at both levels.
+  # qgZ's int8 gradient blocks are summed at both levels (qgZ: the
+  # per-device step's own collectives).
   ref_losses, ref_params = _shared.reference("gpt", "adamw", STEPS["gpt"])
   engine, params, batches = _engine(quantized_weights=True,
-                                    quantized_gradients=True)
+                                    quantized_gradients=True,
+                                    loss_scope="per_device")
   losses, out, _ = m.train_engine(engine, params, batches)
   loss_err = max(abs(l - r) / r for l, r in zip(losses, ref_losses))
   err = m.rel_err(out, ref_params)

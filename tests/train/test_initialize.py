@@ -46,6 +46,20 @@ def test_mesh_defaults_to_every_device():
   assert engine.mesh.size == len(__import__("jax").devices())
 
 
+def test_a_deepspeed_config_takes_its_loss_scope_as_a_keyword():
+  # DeepSpeed's JSON has no key for it: qgZ needs the per-device loss.
+  qgz = {"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}
+  engine, _ = zj.initialize(m.mlp_loss, m.mlp_params(), qgz,
+                            tx=optax.sgd(0.1), loss_scope="per_device")
+  assert engine.config.loss_scope == "per_device"
+  assert engine.config.quantized_gradients
+  with pytest.raises(ValueError, match="loss_scope= keyword"):
+    zj.initialize(m.mlp_loss, m.mlp_params(), qgz, tx=optax.sgd(0.1))
+  with pytest.raises(TypeError, match="ZeroConfig has its own"):
+    zj.initialize(m.mlp_loss, m.mlp_params(), zj.ZeroConfig(stage=1),
+                  tx=optax.sgd(0.1), loss_scope="per_device")
+
+
 def test_optimizer_from_config_and_tx_is_an_error():
   with pytest.raises(ValueError, match="do not provide an optimizer"):
     zj.initialize(m.mlp_loss, m.mlp_params(), _CONFIG, tx=optax.sgd(0.1),

@@ -81,6 +81,11 @@ def test_placement_decisions_are_enums():
   assert pl.materialize is zl.Materialize.GATHER_FROM
   assert pl.update is zl.UpdateKind.STREAMED
   assert pl.grads_on_host
+  # (Either loss: at stage 3 the engine hands a global loss's leaves over
+  # too, and sends their gradient shards to host memory.)
+  assert zl.Placement.of(_config(
+      compute_dtype="bfloat16", offload_optimizer="host",
+      loss_scope="per_device")).grads_on_host
   host = zl.Placement.of(_config(offload_params="host", update_on="host"))
   assert host.master_memory is zl.Memory.HOST_CPU
   assert host.gather_from is zl.GatherFrom.HOST_COMPUTE

@@ -1,6 +1,8 @@
-"""What ``loss_fn``'s value means today, as README and docs/usage.md say:
-each device's slice is averaged, DeepSpeed's and DDP's meaning, which is one
-device's loss only for an equal-weight mean of per-example terms.
+"""What ``loss_fn``'s value means with ``loss_scope="per_device"``, as README
+and docs/usage.md say: each device's slice is averaged, DeepSpeed's and
+DDP's meaning, which is one device's loss only for an equal-weight mean of
+per-example terms. (The default global loss's meaning is
+test_loss_scope.py's.)
 
 These pin the documented difference, so that the docs change with it: a
 masked token mean divides each slice by its own count (NaN, and a skipped
@@ -44,7 +46,8 @@ def _batch():
 
 
 def _first_step(loss_fn):
-  engine = zj.Engine(loss_fn, optax.sgd(0.1), zj.ZeroConfig(stage=3),
+  engine = zj.Engine(loss_fn, optax.sgd(0.1),
+                     zj.ZeroConfig(stage=3, loss_scope="per_device"),
                      zj.make_mesh())
   _, metrics = engine.step(engine.init(_params()), _batch())
   return metrics, float(loss_fn(_params(), _batch()))

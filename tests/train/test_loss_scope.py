@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from tests import _models as m
+from zero_jax import layout as zl
 from zero_jax import offload as offload_module
 from tests._gpu import compiles_for_gpus
 from tests._jaxpr import copies_to, layer_loops
@@ -384,7 +385,8 @@ def test_compiled_for_h100s_the_global_step_moves_zeros_bytes():
   2%: experiments/results/stage3_global_prefetch_h100*.md.)"""
   kw = dict(layers=4, hidden=256, heads=4, vocab=4096, seq_len=256,
             micro_batch=2, attention="auto", reduce_dtype="bfloat16")
-  _, per_device = compile_gpt("h100", 8, 3, **kw)
+  _, per_device = compile_gpt("h100", 8, 3,
+                              overrides={"loss_scope": "per_device"}, **kw)
   _, global_ = compile_gpt("h100", 8, 3,
                            overrides={"loss_scope": "global"}, **kw)
   _assert_zeros_collectives(global_, per_device)
@@ -411,8 +413,8 @@ def test_compiled_for_h100s_offloaded_parameters_move_what_per_device_ones_do(
   monkeypatch.setattr(offload_module, "SLICE_BYTES", 256 << 10)
   kw = dict(layers=4, hidden=256, heads=4, vocab=4096, seq_len=256,
             micro_batch=2, attention="auto", reduce_dtype="bfloat16")
-  _, per_device = compile_gpt("h100", 8, 3,
-                              overrides={"offload_params": "host"}, **kw)
+  _, per_device = compile_gpt("h100", 8, 3, overrides={
+      "offload_params": "host", "loss_scope": "per_device"}, **kw)
   _, global_ = compile_gpt("h100", 8, 3, overrides={
       "offload_params": "host", "loss_scope": "global"}, **kw)
   _assert_zeros_collectives(global_, per_device)
@@ -425,19 +427,35 @@ def test_compiled_for_h100s_offloaded_parameters_move_what_per_device_ones_do(
 
 @pytest.mark.parametrize("field,value,base", [
     ("quantized_gradients", True, {}), ("prefetch", True, _STAGE2_BF16),
-    ("compute_dtype", "bfloat16", {})])
+    ("compute_dtype", "bfloat16", {"reduce_dtype": "float32"})])
 def test_what_the_global_loss_does_not_run_with_is_refused(field, value,
                                                            base):
   """Each combination not built is an error naming both fixes, never a
   silent fallback to the per-device meaning. (qgZ quantizes each device's
   own gradient, which the compiler's sums never hold; stage 2's prefetch
-  keeps each gathered layer for backward; stage 3's runs, above.)"""
+  keeps each gathered layer for backward; stage 3's runs, above; float32
+  sums of bf16 gradients are the per-device step's collectives.)"""
   kw = {"stage": 3, **base, "loss_scope": "global", field: value}
   with pytest.raises(ValueError, match=r"loss_scope='per_device'") as e:
     zj.ZeroConfig(**kw)
   # (A 16-bit compute dtype names reduce_dtype, the field to set.)
   assert (field if field != "compute_dtype" else "reduce_dtype") in str(
       e.value)
+
+
+def test_a_16_bit_global_loss_sums_its_gradients_in_the_compute_dtype():
+  """reduce_dtype None (the default) or the compute dtype is accepted: the
+  compiler sums each gradient in the compute dtype, where its matmul
+  leaves it. The per-device step still sums 16-bit gradients in float32."""
+  for dtype in ("bfloat16", "float16"):
+    for reduce_dtype in (None, dtype):
+      cfg = zj.ZeroConfig(stage=3, compute_dtype=dtype,
+                          reduce_dtype=reduce_dtype)
+      assert cfg.loss_scope == "global"
+      assert zl.Placement.of(cfg).reduce_dtype == jnp.dtype(dtype)
+    per_device = zj.ZeroConfig(stage=3, compute_dtype=dtype,
+                               loss_scope="per_device")
+    assert zl.Placement.of(per_device).reduce_dtype == jnp.float32
 
 
 def _count(batch):
@@ -594,15 +612,16 @@ def test_the_accumulations_that_cannot_be_built_are_refused():
   zj.Engine(lambda p, b, key: masked_mean(p, b), _tx(), cfg, mesh,
             with_rng=True, loss_weight=_count)
   with pytest.raises(ValueError, match=r"loss_scope='global'"):
-    zj.Engine(masked_mean, _tx(), zj.ZeroConfig(grad_accum_steps=2), mesh,
-              loss_weight=_count)
+    zj.Engine(masked_mean, _tx(),
+              zj.ZeroConfig(loss_scope="per_device", grad_accum_steps=2),
+              mesh, loss_weight=_count)
   with pytest.raises(ValueError, match=r"drop one"):
     zj.Engine(masked_mean, _tx(),
               zj.ZeroConfig(loss_scope="global", grad_accum_steps=2,
                             accumulation="mean_of_micro_batches"), mesh,
               loss_weight=_count)
   with pytest.raises(ValueError, match=r"needs loss_scope='global'"):
-    zj.ZeroConfig(accumulation="whole_batch")
+    zj.ZeroConfig(loss_scope="per_device", accumulation="whole_batch")
 
 
 def test_loss_scope_is_checked():
@@ -620,7 +639,8 @@ def test_compiled_for_h100s_micro_batches_move_what_the_per_device_ones_do():
   kw = dict(layers=2, hidden=256, heads=4, vocab=4096, seq_len=256,
             micro_batch=4, attention="auto", reduce_dtype="bfloat16")
   _, per_device = compile_gpt(
-      "h100", 8, 3, overrides={"grad_accum_steps": 2}, **kw)
+      "h100", 8, 3, overrides={"loss_scope": "per_device",
+                               "grad_accum_steps": 2}, **kw)
   _, global_ = compile_gpt(
       "h100", 8, 3, overrides={"loss_scope": "global",
                                "grad_accum_steps": 2}, **kw)

@@ -81,18 +81,20 @@ def test_16bit_tracks_single_device_16bit(model, dtype, stage):
   else:  # only skip_nonfinite's count, with no scale
     assert float(state.loss_scale.scale) == 1.0
     assert int(state.loss_scale.skipped) == 0
-  # fp32 master and optimizer state; the 16-bit copy only at stage 1.
+  # fp32 master and optimizer state; the 16-bit copy only at stages 1-2.
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
   if stage in (1, 2):
     for x, lp in zip(jax.tree.leaves(state.params),
                      layout.flat(engine.param_plan.leaves)):
       assert x.sharding.is_fully_replicated == (not lp.sharded)
-  if stage == 1:
+  if stage in (1, 2):
+    # (Stage 2 keeps it with the default global loss, whose gradients the
+    # compiler reduce-scatters; the per-device step's stage 2 gathers the
+    # master's shards in the 16-bit dtype in forward instead:
+    # tests/train/test_stage2_gather.py.)
     for x in jax.tree.leaves(state.compute_params):
       assert x.dtype == dtype and x.sharding.is_fully_replicated
   else:
-    # (Stage 2 by default, prefetch, gathers the master's shards in the
-    # 16-bit dtype in forward: tests/train/test_stage2_gather.py.)
     assert state.compute_params is None
 
 
@@ -103,9 +105,12 @@ def _emitted_comm(stage, compute_dtype, reduce_dtype=None):
   reduce one layer more than they run; its collectives are counted in
   tests/layers/test_prefetch.py."""
   loss_fn, params, batch = _gpt64()
+  # (The per-device step's own collectives, emitted by zero_jax: the global
+  # step's are the compiler's, tests/train/test_loss_scope.py's.)
   engine = zj.Engine(loss_fn, m.OPTIMIZERS["adamw"](),
                      zj.ZeroConfig(stage=stage, compute_dtype=compute_dtype,
-                                   reduce_dtype=reduce_dtype, prefetch=False),
+                                   reduce_dtype=reduce_dtype, prefetch=False,
+                                   loss_scope="per_device"),
                      zj.make_mesh(num_devices=8))
   # (Lowered from the state's shapes and shardings: nothing to compile.)
   state = engine.abstract_state(params)

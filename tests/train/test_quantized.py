@@ -27,7 +27,9 @@ def _global_rel_err(a, b) -> float:
 
 
 _QW = {"quantized_weights": True}
-_QG = {"quantized_gradients": True}
+# (qgZ quantizes each device's own gradient: the per-device step's own
+# collectives, refused with the default global loss.)
+_QG = {"quantized_gradients": True, "loss_scope": "per_device"}
 
 
 @pytest.mark.parametrize("stage,quantize", [

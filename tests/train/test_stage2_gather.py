@@ -1,4 +1,5 @@
-"""Stage 2 gathering its parameters in forward (``prefetch``, the default):
+"""Stage 2 gathering its parameters in forward (``prefetch``, the default
+with ``loss_scope="per_device"``):
 no 16-bit copy is kept between steps; forward gathers each layer of the
 fp32 master's shards in the compute dtype (one layer ahead in
 ``scan_layers``) and keeps it for backward, as PyTorch FSDP's
@@ -24,7 +25,9 @@ from tests._gpu import compiles_for_gpus
 from tests.train import _shared
 from zero_jax import analysis, layout
 
-BF16 = {"stage": 2, "compute_dtype": "bfloat16"}
+# (The per-device step's: with a loss of global meaning stage 2 keeps its
+# replicated copy, and describe() says so: test_loss_scope.py.)
+BF16 = {"stage": 2, "compute_dtype": "bfloat16", "loss_scope": "per_device"}
 
 
 def _engine(loss_fn, model="gpt", replica=1, **kw):
@@ -137,9 +140,10 @@ def test_its_gathers_overlap_gemms_and_its_peak_is_no_higher():
   # forward, nine in ten overlap one, the same bf16 bytes once (backward
   # reads what forward kept: no second gather), and the peak is no higher
   # (experiments/stage3_bench.py: lower at 1.3B and 6.7B, N = 8 to 256).
-  _, on = analysis.compile_gpt("h100", 8, 2, **_TINY)
+  per_device = {"loss_scope": "per_device"}
+  _, on = analysis.compile_gpt("h100", 8, 2, **_TINY, overrides=per_device)
   _, off = analysis.compile_gpt("h100", 8, 2, **_TINY,
-                                overrides={"prefetch": False})
+                                overrides={**per_device, "prefetch": False})
   got = analysis.overlap_summary(on.hlo)["all-gather"]
   was = analysis.overlap_summary(off.hlo)["all-gather"]
   assert got.overlapped >= 0.9 * got.total, got

@@ -254,7 +254,10 @@ def test_mixed_precision_equals_the_data_parallel_engine(compute_dtype):
 
 def test_the_hlo_has_zero_collectives_over_data_and_tp_over_model():
   mesh = _mesh("d4m2")
-  engine = _nnx_engine(zj.ZeroConfig(stage=3, min_shard_elements=0), mesh)
+  # (The per-device step's own collectives: on CPU the global step's
+  # compiler all-reduces gradients; tests/train/test_loss_scope.py's.)
+  engine = _nnx_engine(zj.ZeroConfig(stage=3, min_shard_elements=0,
+                                     loss_scope="per_device"), mesh)
   state = engine.init(tpm.nnx_init())
   batch = engine.shard_batch(tpm.tp_batches(1)[0])
   hlo = engine.step.lower(state, batch).compile().as_text()

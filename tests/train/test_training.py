@@ -73,7 +73,7 @@ def _gpt128():
   return loss_fn, params
 
 
-def _accum_temp(stage, accum):
+def _accum_temp(stage, accum, loss_scope="global"):
   """Step temporaries at a fixed micro-batch (2 sequences per device)."""
   loss_fn, params = _gpt128()
   # (Without prefetch: with it, this CPU-compiled step's temp grows by
@@ -81,7 +81,7 @@ def _accum_temp(stage, accum):
   # parameters; not yet explained, noted in issue 30.)
   engine = _engine(loss_fn, m.OPTIMIZERS["adamw"](), stage=stage,
                    grad_accum_steps=accum, min_shard_elements=1024,
-                   prefetch=False)
+                   prefetch=False, loss_scope=loss_scope)
   batch = {"tokens": np.zeros((16 * accum, 17), np.int32)}
   # (Lowered from the state's shapes and shardings: init compiles nothing.)
   state = engine.abstract_state(params)
@@ -90,17 +90,21 @@ def _accum_temp(stage, accum):
   return mem.temp, engine, param_count(params)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_accumulator_is_a_shard_at_stages_2_and_3(stage):
-  one, engine, psi = _accum_temp(stage, 1)
-  four, _, _ = _accum_temp(stage, 4)
+@pytest.mark.parametrize("stage,loss_scope", [
+    (1, "per_device"), (1, "global"), (2, "global"), (3, "global")])
+def test_accumulator_is_a_shard_but_at_the_per_device_stage_1(stage,
+                                                               loss_scope):
+  one, engine, psi = _accum_temp(stage, 1, loss_scope)
+  four, _, _ = _accum_temp(stage, 4, loss_scope)
   extra = four - one
-  if stage == 1:
-    # Stages 0-1 accumulate the full local gradient: a full fp32 copy.
+  if loss_scope == "per_device":
+    # The per-device stages 0-1 accumulate each device's full gradient: a
+    # full fp32 copy.
     assert extra >= 0.9 * 4 * psi
   else:
-    # Stages 2-3 accumulate reduce-scattered shards (fp32), plus the small
-    # replicated leaves' local gradients.
+    # A global loss's micro-batch gradients are summed into the update's
+    # layout, sharded from stage 1: the accumulator is fp32 shards, plus
+    # the small replicated leaves' gradients.
     rep = engine.param_plan.replicated_elements
     accumulator = 4 * ((psi - rep) / engine.n + rep)
     assert extra <= 1.3 * accumulator, (extra, accumulator)

@@ -101,7 +101,7 @@ def _check_global(config: Any) -> None:
         "qgZ, or quantized_gradients=False.")
   asked = [name for name, on in unsupported.items() if on]
   if (config.compute_dtype in ("bfloat16", "float16")
-      and config.reduce_dtype != config.compute_dtype):
+      and config.reduce_dtype not in (None, config.compute_dtype)):
     # The compiler sums each gradient where its weight-gradient matmul
     # leaves it, in the compute dtype; the per-device step's float32 sums
     # of 16-bit gradients are its own collectives.
@@ -109,8 +109,8 @@ def _check_global(config: Any) -> None:
         f"ZeroConfig.loss_scope='global' sums gradients across devices in "
         f"the compute dtype ({config.compute_dtype}), by the compiler's own "
         f"reduce-scatter, not in float32 (got reduce_dtype="
-        f"{config.reduce_dtype!r}): pass reduce_dtype="
-        f"{config.compute_dtype!r} to accept that, compute_dtype=None for "
+        f"{config.reduce_dtype!r}): leave reduce_dtype=None (the compute "
+        "dtype) to accept that, compute_dtype=None for "
         "float32 throughout, or loss_scope='per_device', whose 16-bit "
         "gradients are summed in float32.")
   if asked:

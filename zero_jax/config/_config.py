@@ -93,7 +93,10 @@ class ZeroConfig:
       at stage 2 by default (``prefetch``) there is none: forward gathers
       the master's shards in the compute dtype, layer by layer.
     reduce_dtype: dtype gradients are summed in across devices. None (the
-      default) sums in float32 whatever the compute dtype. A sharded
+      default): with ``loss_scope="global"``, the compute dtype (the
+      compiler sums each gradient where its matmul leaves it, as plain
+      ``jax.jit``, FSDP and DeepSpeed do by default); with
+      ``"per_device"``, float32 whatever the compute dtype. Its sharded
       leaf's 16-bit gradient still crosses in 16 bits: an all-to-all hands
       each device every device's blocks of its shard, summed there in
       float32 (``zero_jax.materialize``), so exact sums cost a bf16
@@ -230,14 +233,15 @@ class ZeroConfig:
       ``loss_scope="global"`` sharding constraints place the same two
       gathers, and each layer's gradient is summed over the group, then
       across groups, in ``reduce_dtype``.
-    loss_scope: what ``loss_fn``'s value means. ``"per_device"`` (for
-      now the default): the mean of ``loss_fn`` over the devices' slices of
-      the batch, DeepSpeed's meaning. ``"global"``: one device's, given the
-      whole global batch (padded token means, in-batch negatives, batch
-      statistics), its collectives left to the compiler on the same
-      layout; with a 16-bit ``compute_dtype``, ``reduce_dtype`` must name
-      it. hpZ and qwZ run with it, their gathers placed by sharding
-      constraints; not qgZ, which quantizes each device's own gradient
+    loss_scope: what ``loss_fn``'s value means. ``"global"`` (the
+      default): one device's, given the whole global batch (padded token
+      means, in-batch negatives, batch statistics), its collectives left
+      to the compiler on the same layout; with a 16-bit ``compute_dtype``
+      gradients are summed in it (``reduce_dtype`` None or the compute
+      dtype). ``"per_device"``: the mean of ``loss_fn`` over the devices'
+      slices of the batch, DeepSpeed's meaning, with its own collectives
+      (16-bit gradients summed in float32; qgZ). hpZ and qwZ run with
+      the global loss, their gathers placed by sharding constraints; not qgZ, which quantizes each device's own gradient
       before the sum (the compiler's sums hold none), nor stage 2's
       ``prefetch=True`` (docs/usage.md).
     accumulation: what a step of several micro-batches
@@ -293,7 +297,7 @@ class ZeroConfig:
   quantized_gradients: bool = False
   prefetch: bool | str = "auto"
   hpz_partition_size: int = 1
-  loss_scope: str = "per_device"
+  loss_scope: str = "global"
   accumulation: str | None = None
 
   def __post_init__(self):
@@ -448,9 +452,9 @@ class ZeroConfig:
                 "'data' axis of make_mesh(replica=devices // size); 1 "
                 "turns hpZ off.")
     self._check("loss_scope", check_choice, LOSS_SCOPES,
-                "'per_device' averages loss_fn over the devices' slices "
-                "(DeepSpeed's meaning); 'global' means what loss_fn means "
-                "on one device given the whole batch.")
+                "'global' (the default) means what loss_fn means on one "
+                "device given the whole batch; 'per_device' averages "
+                "loss_fn over the devices' slices (DeepSpeed's meaning).")
     self._check("accumulation", check_choice, ACCUMULATIONS,
                 "None follows loss_scope; 'whole_batch' (loss_scope="
                 "'global') trains the whole batch's loss, checked; "

@@ -38,9 +38,11 @@ Notes on the mapping:
   device count is known.
 * The fp16 keys other than ``enabled`` are read only when fp16 is enabled
   (DeepSpeed ignores them too); ``fp16.auto_cast`` may only be false.
-* ``communication_data_type`` absent: gradients are summed in float32
-  (zero_jax's default), where DeepSpeed sums in the compute dtype; write
-  ``"fp16"`` or ``"bf16"`` to match DeepSpeed's bytes.
+* ``communication_data_type`` absent: gradients are summed in the compute
+  dtype, as DeepSpeed sums them (with ``loss_scope="per_device"``, in
+  float32: zero_jax's per-device default); ``"fp32"`` with 16-bit compute
+  needs ``loss_scope="per_device"``, whose own collectives sum 16-bit
+  gradients in float32.
 * DeepSpeed keeps a parameter whole when it has *at most*
   ``stage3_param_persistence_threshold`` elements; zero_jax when it has
   *fewer than* ``min_shard_elements``, so the field is the threshold + 1.
@@ -105,6 +107,7 @@ class DeepSpeedConfig:
 def read_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
                    unsupported: str = "error",
                    optimizer: bool = True,
+                   loss_scope: str = "global",
                    **known: Any) -> DeepSpeedConfig:
   """Reads a DeepSpeed config: its ``ZeroConfig`` and its optimizer and
   scheduler sections, with every ``"auto"`` filled in.
@@ -119,6 +122,10 @@ def read_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
       ``UserWarning`` per such key and drops it.
     optimizer: whether the ``optimizer`` and ``scheduler`` sections are
       returned (True) or refused as unsupported keys (False).
+    loss_scope: ``ZeroConfig.loss_scope``, which DeepSpeed's JSON has no
+      key for: ``"global"`` (default, one device's meaning) or
+      ``"per_device"`` (DeepSpeed's; needed for ``zero_quantized_gradients``
+      and for a float32 ``communication_data_type`` with 16-bit compute).
     **known: the values that fill in ``"auto"``, named as HuggingFace's
       Trainer names them (``AUTO_KEYWORDS``).
 
@@ -160,11 +167,14 @@ def read_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
     raise ValueError(f"{e} (in {path!r})") from None
   translator.finish(source)
   try:
-    zero = ZeroConfig(**translator.kwargs)
+    zero = ZeroConfig(**translator.kwargs, loss_scope=loss_scope)
   except ValueError as e:
     sources = [f"{field} is {key!r}" for field, key in
                translator.sources.items()
                if re.search(rf"\b{field}\b", str(e))]
+    if "loss_scope='per_device'" in str(e):
+      sources.append("loss_scope is the loss_scope= keyword of "
+                     "from_deepspeed and zero_jax.initialize")
     raise ValueError(
         f"DeepSpeed config{source} gives an invalid ZeroConfig: {e}" +
         (f" (in DeepSpeed's terms: {'; '.join(sources)})" if sources else "")
@@ -173,7 +183,8 @@ def read_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
 
 
 def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
-                   unsupported: str = "error", **known: Any) -> ZeroConfig:
+                   unsupported: str = "error", loss_scope: str = "global",
+                   **known: Any) -> ZeroConfig:
   """Translates a DeepSpeed JSON config into a ``ZeroConfig``.
 
   ``MAPPING`` lists the keys translated and how (``mapping_table_markdown``
@@ -186,6 +197,7 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
     unsupported: ``"error"`` (default) raises on keys that are unknown, or
       known to DeepSpeed but not honoured by zero_jax; ``"warn"`` issues one
       ``UserWarning`` per such key and drops it.
+    loss_scope: ``ZeroConfig.loss_scope`` (see ``read_deepspeed``).
     **known: the values that fill in ``"auto"``, named as HuggingFace's
       Trainer names them (``AUTO_KEYWORDS``: ``per_device_train_batch_size``,
       ``gradient_accumulation_steps``, ``max_grad_norm``, ``fp16``, ``bf16``,
@@ -207,4 +219,4 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
       unknown.
   """
   return read_deepspeed(config, unsupported=unsupported, optimizer=False,
-                        **known).zero
+                        loss_scope=loss_scope, **known).zero

@@ -230,8 +230,9 @@ NO_EFFECT_KEYS: Mapping[str, tuple[Callable[[str, Any], Any], Any, str]] = {
         "(jax.jit), as if enabled"),
     "prescale_gradients": (
         as_bool, ANY, "DeepSpeed divides gradients before its all-reduce "
-        "against fp16 overflow: zero_jax sums in reduce_dtype (float32 "
-        "unless communication_data_type says otherwise) and divides once; "
+        "against fp16 overflow: zero_jax sums in reduce_dtype (the "
+        "compute dtype unless communication_data_type says otherwise) and "
+        "divides once; "
         "the mean is the same"),
     "gradient_predivide_factor": (as_float, 1.0, _SUM_THEN_DIVIDE),
     # DeepSpeedConfig stores this section (runtime/config.py:
@@ -270,7 +271,7 @@ _MONITOR = ("zero_jax does not write {what} logs: log the metrics that "
             "Engine.step returns with zero_jax.metrics.JsonlLogger (e.g. "
             "log.log(step, **metrics)), then set {key}.enabled to false")
 _PREDIVIDE = (
-    "zero_jax sums gradients in reduce_dtype (float32 unless "
+    "zero_jax sums gradients in reduce_dtype (the compute dtype unless "
     "communication_data_type says otherwise) and divides once; "
     "pre-division is not implemented")
 _APEX_CASTS = (

@@ -89,7 +89,8 @@ MAPPING: tuple[DeepSpeedKey, ...] = (
                  as_count),
     DeepSpeedKey("gradient_clipping", "clip_grad_norm", _clip, "0: none"),
     DeepSpeedKey("communication_data_type", "reduce_dtype", _reduce_dtype,
-                 "\"fp32\", \"fp16\", \"bf16\" (absent: float32)"),
+                 "\"fp32\", \"fp16\", \"bf16\" (absent: the compute dtype; "
+                 "float32 with loss_scope=\"per_device\")"),
     DeepSpeedKey("optimizer", "", None, _BUILT),
     DeepSpeedKey("scheduler", "", None,
                  _BUILT.replace("the optax transformation",

@@ -103,8 +103,8 @@ def grad_dtype(how: Any, shard: Any) -> Any:
   """The dtype a scanned layer's gradient shard waits in for the update:
   ``stored_dtype`` for a layer gathered from its float32 shards at stage 3
   (``Materialize.GATHER``, and ``CONSTRAIN`` with a loss of global
-  meaning); as the shard's otherwise (a stand-in whose
-  gradient goes to host memory under offload; stage 2's, ``keep``, which
+  meaning); as the shard's otherwise (a stand-in whose gradient goes to
+  host memory under offload, with either loss; stage 2's, ``keep``, which
   stays float32 as its replicated copy's gradients do).
 
   Args:
@@ -112,7 +112,8 @@ def grad_dtype(how: Any, shard: Any) -> Any:
     shard: the shard's dtype.
   """
   if ((how.kind is Materialize.GATHER and not how.keep) or
-      (how.kind is Materialize.CONSTRAIN and not how.to_device)):
+      (how.kind is Materialize.CONSTRAIN and not how.to_device
+       and not how.grad_to_host)):
     return stored_dtype(shard, how.compute_dtype)
   return jnp.dtype(shard)
 

@@ -119,6 +119,10 @@ class Materialize(enum.Enum):
   # compiler gather, and whose custom transpose has it reduce-scatter the
   # gradient (``zero_jax.materialize.gather_constrained``).
   CONSTRAIN = "constrain"
+  # Stage 2 with a loss of global meaning: the replicated copy is used as
+  # it is, and a custom transpose has the compiler reduce-scatter its
+  # gradient where backward makes it (``use_constrained``).
+  CONSTRAIN_SCATTER = "constrain_scatter"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,22 +199,23 @@ class Placement:
     cd = config.compute_dtype
     cd = None if cd in (None, "float32") else jnp.dtype(cd)
     rd = config.reduce_dtype
-    # Gradients are summed in fp32 unless asked otherwise (see ZeroConfig).
-    rd = (jnp.dtype(rd) if rd is not None else
-          jnp.dtype(jnp.float32) if cd is not None else None)
+    # Unless asked otherwise (see ZeroConfig), a global loss's gradients
+    # are summed in the compute dtype, where the compiler's reduce-scatter
+    # finds them; the per-device step's own collectives sum them in fp32.
+    rd = (jnp.dtype(rd) if rd is not None else None if cd is None else
+          cd if config.loss_scope == "global" else jnp.dtype(jnp.float32))
     stage = config.stage
     offload_opt = config.offload_optimizer == "host"
     offload_params = bool(config.offload_params)
     loss_scaling = config.compute_dtype == "float16"
     # Gradients straight to host memory, as backward makes them: the
     # per-device step's own collectives do that, and with a global loss
-    # the layers the engine gathers from host memory itself
-    # (offload_params, the update on the device); other gradients of a
-    # global loss are the compiler's, in device memory (one micro-batch
-    # or several).
+    # the stage-3 leaves the engine hands over itself, with the update
+    # streamed on the device; the host's update takes a global loss's
+    # gradients from device memory, as it takes several micro-batches'.
     one_pass = grad_accum_steps == 1 and (
         config.loss_scope == "per_device" or
-        (offload_params and config.update_on != "host"))
+        (stage == 3 and config.update_on != "host"))
     counts_skips = loss_scaling or config.skip_nonfinite
     quantize = Quantize(weights=config.quantized_weights,
                         gradients=config.quantized_gradients)

@@ -15,7 +15,8 @@ from zero_jax.materialize._collectives import (cast, dequantize_blocks,
                                                quantize_blocks, reduce_leaf,
                                                reduce_tree,
                                                use_with_scattered_grad, zeros)
-from zero_jax.materialize._constrained import gather_constrained
+from zero_jax.materialize._constrained import (gather_constrained,
+                                              use_constrained)
 from zero_jax.materialize._hierarchical import (SECONDARY,
                                                 gather_hierarchical)
 from zero_jax.materialize._context import (LossContext, current,
@@ -45,6 +46,7 @@ __all__ = [
     "quantize_blocks",
     "reduce_leaf",
     "reduce_tree",
+    "use_constrained",
     "use_with_scattered_grad",
     "zeros",
 ]

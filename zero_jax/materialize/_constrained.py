@@ -18,6 +18,9 @@ dimension, which the collectives run along: GPU collectives concatenate
 along the most major dimension, and asked for another, XLA transposes the
 whole stack of float32 shards once before the layer loop.
 
+At stage 2 the replicated copy is read as it is, and only its gradient
+is constrained into the shard (``use_constrained``).
+
 ZeRO++ follows with the same constraints: qwZ's int8 blocks are made on
 each device's own shard and gathered as such, and hpZ's layer is gathered
 over ``replica`` into the group's secondary copy (kept for backward), then
@@ -154,6 +157,39 @@ def _made_bwd(plan, mesh, whole, compute_dtype, reduce_dtype, to_host, like,
 
 
 _made.defvjp(_made_fwd, _made_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _used(plan: LeafPlan, mesh: Mesh, reduce_dtype: Any, stand_in: jax.Array,
+          full: jax.Array) -> jax.Array:
+  del plan, mesh, reduce_dtype, stand_in
+  return full
+
+
+def _used_fwd(plan, mesh, reduce_dtype, stand_in, full):
+  return full, jnp.zeros((0,), stand_in.dtype)
+
+
+def _used_bwd(plan, mesh, reduce_dtype, like, g):
+  # (The copy gets no gradient: the stand-in takes it, as a shard.)
+  return _to_shard(plan, mesh, reduce_dtype, like, False, g), None
+
+
+_used.defvjp(_used_fwd, _used_bwd)
+
+
+def use_constrained(plan: LeafPlan, mesh: Mesh, stand_in: jax.Array,
+                    full: jax.Array, compute_dtype: Any = None,
+                    reduce_dtype: Any = None) -> jax.Array:
+  """``full`` (stage 2's replicated copy of a leaf, or of one layer slice
+  of it) in ``compute_dtype``, whose gradient the compiler reduce-scatters
+  into ``plan``'s layout in ``reduce_dtype`` and hands to ``stand_in`` (a
+  zero-valued array of the gradient's layout and dtype): a block's or
+  scanned layer's gradient is summed into its shard where backward makes
+  it, as ``use_with_scattered_grad`` does inside ``shard_map``."""
+  reduce_dtype = reduce_dtype and jnp.dtype(reduce_dtype)
+  return _used(plan, mesh, reduce_dtype, stand_in,
+               full.astype(compute_dtype or full.dtype))
 
 
 def _on_device(shard: jax.Array, source: jax.Array | None) -> jax.Array:

@@ -22,7 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.layout import LeafPlan, Materialize, Quantize
 from zero_jax.materialize import _collectives as collectives
-from zero_jax.materialize._constrained import gather_constrained
+from zero_jax.materialize._constrained import (gather_constrained,
+                                              use_constrained)
 from zero_jax.materialize._hierarchical import gather_hierarchical
 
 
@@ -43,7 +44,9 @@ class Materializer:
       ``to_device``), whose gradient goes to ``shard``, a stand-in (in
       host memory if ``grad_to_host``). ``SCATTER``: full is the
       replicated copy ``source``, whose gradient goes to ``shard`` via a
-      reduce-scatter.
+      reduce-scatter. ``CONSTRAIN`` and ``CONSTRAIN_SCATTER``: the same,
+      with a loss of global meaning, by sharding constraints
+      (``gather_constrained``, ``use_constrained``).
     compute_dtype: dtype of the full parameter (None: as stored).
     reduce_dtype: dtype gradients are summed in (None: as computed).
     to_device: ``GATHER_FROM``: the source is in host memory.
@@ -53,7 +56,7 @@ class Materializer:
     keep: the full value is kept for backward (stage 2,
       ``Placement.keeps_gathered``): named ``KEPT``, which remat policies
       save.
-    mesh: ``CONSTRAIN``: the mesh the global arrays are laid out on.
+    mesh: ``CONSTRAIN*``: the mesh the global arrays are laid out on.
   """
 
   kind: Materialize
@@ -74,6 +77,9 @@ class Materializer:
 
   def _make(self, plan: LeafPlan, shard: jax.Array,
             source: jax.Array | None) -> jax.Array:
+    if self.kind is Materialize.CONSTRAIN_SCATTER:
+      return use_constrained(plan, self.mesh, shard, source,
+                             self.compute_dtype, self.reduce_dtype)
     if self.kind is Materialize.CONSTRAIN:
       return gather_constrained(plan, self.mesh, shard, source,
                                 self.compute_dtype, self.reduce_dtype,

@@ -20,7 +20,7 @@ from zero_jax.config import RematPolicy, ZeroConfig
 from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
                              model_specs)
 from zero_jax.train import _accumulate, _auto_remat, _init
-from zero_jax.train._grads import Loss, describe_loss, hands_over
+from zero_jax.train._grads import Loss, describe_loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
                                     describe_prefetch, signature)
 from zero_jax.train._runner import StepFunction
@@ -41,9 +41,11 @@ class Engine:
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
       ``has_aux=True``; or ``loss_fn(params, batch, rng)`` with
-      ``with_rng=True``), the *mean* loss over the examples it is given. It
-      runs on each device's slice of the global batch with the full
-      parameters, in the structure given to ``init``.
+      ``with_rng=True``), on the full parameters in the structure given
+      to ``init``. By default (``ZeroConfig.loss_scope="global"``) it
+      means what it means on one device given the whole global batch;
+      with ``"per_device"`` it is the *mean* loss over the examples it is
+      given, run on each device's slice and averaged.
     tx: any optax transformation. The update runs on the sharded arrays as
       ordinary jit code, so global operations (norms, factored statistics)
       are exact. With ``optax.inject_hyperparams`` (e.g.
@@ -56,9 +58,11 @@ class Engine:
       (tensor parallelism: the model's own specs split its parameters over
       it, and the compiler inserts the tensor-parallel collectives).
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux (a pytree of arrays)
-      is averaged over devices into the step's metrics under ``"aux"``.
+      goes into the step's metrics under ``"aux"`` (averaged over devices
+      with a per-device loss).
     with_rng: ``loss_fn`` takes a third argument, a PRNG key that differs on
-      every step, micro-batch and device: use it for dropout.
+      every step and micro-batch (and device, with a per-device loss):
+      use it for dropout.
     model_specs: with a ``model`` axis, a pytree of ``PartitionSpec`` (the
       structure of the parameters) saying which dimensions the model splits
       over ``model``. Default: the parameters' Flax metadata
@@ -368,13 +372,8 @@ class Engine:
     prefetch = describe_prefetch(cfg, pl, layout.prefetch)
     if prefetch:
       lines.append(prefetch)
-    if cfg.loss_scope == "global" and pl.stage > 1 and not hands_over(layout):
-      lines.append("blocks: not run one at a time by the engine with "
-                   "loss_scope='global' here; the compiler gathers each "
-                   "parameter where the loss uses it")
-    else:
-      lines.extend(layers.describe_units(layout.units, self.units_seen,
-                                         pl.stage, cfg.layer_classes))
+    lines.extend(layers.describe_units(layout.units, self.units_seen,
+                                       pl.stage, cfg.layer_classes))
     if cfg.delay_update:
       lines.append("delay_update: each step reads the parameters from "
                    "before the previous step's update (DeepSpeed's "

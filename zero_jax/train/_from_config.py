@@ -37,7 +37,7 @@ def initialize(loss_fn: Callable[..., Any], params: Any,
                tx: optax.GradientTransformation | TxFactory | None = None,
                *,
                unsupported: str = "error", has_aux: bool = False,
-               with_rng: bool = False,
+               with_rng: bool = False, loss_scope: str | None = None,
                **known: Any) -> tuple[Engine, TrainState]:
   """Builds the engine and its first state from a DeepSpeed config.
 
@@ -75,6 +75,9 @@ def initialize(loss_fn: Callable[..., Any], params: Any,
       honour (see ``from_deepspeed``).
     has_aux: ``loss_fn`` returns ``(loss, aux)`` (see ``Engine``).
     with_rng: ``loss_fn`` takes a per-step PRNG key (see ``Engine``).
+    loss_scope: a DeepSpeed config's ``ZeroConfig.loss_scope`` (None:
+      ``"global"``; see ``zero_jax.config.read_deepspeed``). A
+      ``ZeroConfig`` carries its own.
     **known: the values that fill in ``"auto"``:
       ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
       ``max_grad_norm``, ``learning_rate``, ``adam_beta1``, ``adam_beta2``,
@@ -94,14 +97,15 @@ def initialize(loss_fn: Callable[..., Any], params: Any,
       given with a ``ZeroConfig``.
   """
   if isinstance(config, ZeroConfig):
-    if known:
+    if known or loss_scope is not None:
       raise TypeError(
-          f"initialize got {sorted(known)} with a ZeroConfig: these fill in "
-          "a DeepSpeed config's \"auto\" values, and a ZeroConfig has none; "
-          "drop them")
+          f"initialize got {sorted(known) or ['loss_scope']} with a "
+          "ZeroConfig: these fill in a DeepSpeed config's \"auto\" values "
+          "and its loss scope, and a ZeroConfig has its own; drop them")
     zero, optimizer, scheduler = config, None, None
   else:
-    read = read_deepspeed(config, unsupported=unsupported, **known)
+    read = read_deepspeed(config, unsupported=unsupported,
+                          loss_scope=loss_scope or "global", **known)
     zero, optimizer, scheduler = read.zero, read.optimizer, read.scheduler
   tx = _transformation(tx, optimizer, scheduler, known.get("learning_rate"))
   if mesh is None:

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax import layers, materialize
 from zero_jax.layout import (ComputeCopy, LeafPlan, Materialize,
-                             Placement, Prefetch, flat, map_leaves)
+                             Placement, flat, map_leaves)
 from zero_jax.train import _accumulate, _checks
 
 
@@ -334,15 +334,16 @@ def describe_loss(config: Any, placement: Placement) -> str:
 
 
 def hands_over(layout) -> bool:
-  """Whether a step with a loss of global meaning gathers sharded
-  parameters itself, by sharding constraints (``gather_constrained``)
-  rather than where the compiler places it: each scanned layer one layer
-  ahead (prefetch), from host memory (``offload_params``), or hpZ's and
-  qwZ's own way. Blocks called in a Python loop then run one at a time,
-  as in the per-device step."""
-  pl = layout.placement
-  return (layout.prefetch is not Prefetch.OFF or pl.gathers_from_host or
-          pl.quantize.weights or layout.config.hpz_partition_size > 1)
+  """Whether a step with a loss of global meaning hands its sharded
+  parameters to the loss itself, with sharding constraints that place
+  their collectives, rather than leave them where the compiler puts them:
+  at stages 2-3. At stage 3 each scanned layer is gathered one layer ahead
+  (prefetch) or at the top of its iteration, from host memory with
+  ``offload_params``, hpZ's and qwZ's own way (``gather_constrained``);
+  at stage 2 each layer's gradient is reduce-scattered where backward
+  makes it (``use_constrained``). Blocks called in a Python loop then run
+  one at a time, each rematerialized, as in the per-device step."""
+  return layout.placement.stage >= 2
 
 
 def global_loss(layout, loss: Loss, seen: dict[str, int] | None = None
@@ -411,14 +412,18 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
   # (``Placement.grads_on_host``).
   # hpZ's leaves and qwZ's are gathered their own way wherever they are
   # used (``own``), not by the compiler.
+  # At stage 2 the replicated copy is read as it is, and only its
+  # gradient is handed back as a shard, a layer at a time (``scatters``).
   from_host = pl.gathers_from_host
+  scatters = pl.stage == 2
   own = [lp.hierarchical or pl.quantize.weights for lp in leaves]
   hands = hands_over(layout)
   handed = [hands and lp.sharded for lp in leaves]
   to_host = [h and pl.grads_on_host and layout.grads.grads_to_host[i]
              for i, h in enumerate(handed)]
   hows = [materialize.Materializer(
-      Materialize.CONSTRAIN, pl.compute_dtype, pl.reduce_dtype,
+      Materialize.CONSTRAIN_SCATTER if scatters else Materialize.CONSTRAIN,
+      pl.compute_dtype, pl.reduce_dtype,
       to_device=from_host, grad_to_host=t, quantize=pl.quantize,
       mesh=layout.mesh) for t in to_host]
   out = pl.host_grad_dtype or jnp.float32
@@ -427,30 +432,31 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
                    plan.shardings if pl.grads_sharded else
                    plan.replicated_shardings), to_host)]
 
-  def wrt_of(lp, x, h, sharding):
+  def wrt_of(lp, x, h, t, sharding):
     # What is differentiated. A handed leaf: its float32 shards, cast a
     # layer at a time (a 16-bit copy of every shard would be live through
-    # the step), or for shards in host memory a zero-valued stand-in that
-    # takes their gradient (in host memory too where it goes there). Any
-    # other: what forward reads, on the device, in its own layout and in
-    # the dtype its gradient is summed in.
+    # the step), or for shards in host memory, stage 2's replicated copy
+    # and a gradient sent to host memory a zero-valued stand-in that takes
+    # their gradient as a shard (in host memory too where it goes there).
+    # Any other: what forward reads, on the device, in its own layout and
+    # in the dtype its gradient is summed in.
     if h:
       return (jax.device_put(jnp.zeros(x.shape, jnp.float32), sharding)
-              if from_host else x)
+              if from_host or scatters or t else x)
     if pl.master_on_host:
       x = jax.device_put(x, jax.memory.Space.Device)
     return x.astype(pl.reduce_dtype or jnp.float32)
 
   tree = jax.tree.structure(source)
   wrt = tree.unflatten([wrt_of(*a) for a in zip(
-      leaves, jax.tree.leaves(source), handed, shardings)])
+      leaves, jax.tree.leaves(source), handed, to_host, shardings)])
   call = global_loss(layout, loss, seen)
 
-  def into_layout(g):
+  def into_layout(g, dtype=out):
     # Into the update's layout: the compiler sums each gradient there
     # (reduce-scatter, or all-reduce of a replicated one).
     return tree.unflatten([
-        jax.lax.with_sharding_constraint(x.astype(out), sharding)
+        jax.lax.with_sharding_constraint(x.astype(dtype), sharding)
         for x, sharding in zip(jax.tree.leaves(g), shardings)])
 
   def grads_of(batch, key):
@@ -464,12 +470,14 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
           continue
         # (Cast on the shard, copied to the device first from host memory;
         # its gradient reduce-scattered in the reduce dtype. Gathered here
-        # if hpZ's or qwZ's; in one reduce-scatter, see gather_constrained.)
-        src = src if from_host else None
-        full.append(materialize.gather_constrained(
-            lp, how.mesh, w, src, how.compute_dtype, how.reduce_dtype,
-            whole=o, to_host=how.grad_to_host, quantize=how.quantize,
-            by_group=False))
+        # if hpZ's or qwZ's; in one reduce-scatter, see gather_constrained.
+        # Stage 2's copy: used as it is.)
+        src = src if from_host or scatters or how.grad_to_host else None
+        full.append(how(lp, w, src) if scatters else
+                    materialize.gather_constrained(
+                        lp, how.mesh, w, src, how.compute_dtype,
+                        how.reduce_dtype, whole=o, to_host=how.grad_to_host,
+                        quantize=how.quantize, by_group=False))
         made.append(materialize.HandedParam(full[-1], lp, w, src, how))
       value, aux = call(tree.unflatten(full), batch, key, made)
       return (value if scale is None else value * scale), (value, aux)
@@ -495,6 +503,9 @@ def _global_loss_and_grads(layout, loss: Loss, params: Any,
 
   acc, (values, auxes) = jax.lax.scan(
       body, acc, (micro, weights, jnp.arange(split.steps)))
-  g = into_layout(_accumulate.finish(acc, total))
+  # (float32 whatever the host update takes: the micro-batches' sums are
+  # float32's, which a 16-bit copy would round where the device's update
+  # does not.)
+  g = into_layout(_accumulate.finish(acc, total), jnp.float32)
   return (g, _accumulate.combine(weights, values),
           _accumulate.combine(weights, auxes))
