@@ -241,9 +241,9 @@ class ZeroConfig:
       dtype). ``"per_device"``: the mean of ``loss_fn`` over the devices'
       slices of the batch, DeepSpeed's meaning, with its own collectives
       (16-bit gradients summed in float32; qgZ). hpZ and qwZ run with
-      the global loss, their gathers placed by sharding constraints; not qgZ, which quantizes each device's own gradient
-      before the sum (the compiler's sums hold none), nor stage 2's
-      ``prefetch=True`` (docs/usage.md).
+      the global loss, gathered by sharding constraints; not qgZ, which
+      quantizes each device's own gradient before the sum (the compiler's
+      sums hold none), nor stage 2's ``prefetch=True`` (docs/usage.md).
     accumulation: what a step of several micro-batches
       (``grad_accum_steps > 1``) trains. None: the loss scope's own
       meaning (``"whole_batch"`` with a global loss; the mean over

@@ -20,7 +20,8 @@ from zero_jax.config import RematPolicy, ZeroConfig
 from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
                              model_specs)
 from zero_jax.train import _accumulate, _auto_remat, _init
-from zero_jax.train._grads import Loss, describe_loss
+from zero_jax.train._global import describe_loss
+from zero_jax.train._grads import Loss
 from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
                                     describe_prefetch, signature)
 from zero_jax.train._runner import StepFunction

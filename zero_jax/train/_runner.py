@@ -13,7 +13,7 @@ import jax
 
 from zero_jax import _heartbeat, _last_checkpoint
 from zero_jax.config import RematPolicy
-from zero_jax.train import _accumulate, _checks, _grads
+from zero_jax.train import _accumulate, _checks, _global
 from zero_jax.train._state import TrainState
 from zero_jax.train._train_step import jit_step
 
@@ -263,7 +263,7 @@ class StepFunction:
     if (self._split_checked is layout or not _accumulate.needs_check(
         layout.config, loss, layout.batch.grad_accum_steps)):
       return
-    call = _grads.global_loss(layout, loss)
+    call = _global.global_loss(layout, loss)
     params = (state.compute_params if layout.placement.compute_copy else
               state.params)
     _accumulate.check_split(_accumulate.Split.of(layout, loss),

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from zero_jax.train import _grads
+from zero_jax.train import _global, _grads
 from zero_jax.train._state import TrainState
 
 
@@ -38,9 +38,10 @@ def train_step(layout, loss: _grads.Loss, state: TrainState, batch: Any, *,
   rng = jax.random.fold_in(state.rng, state.step)
   scale = (state.loss_scale.scale if layout.placement.loss_scaling
            else None)
-  grads, value, aux = _grads.loss_and_grads(
-      layout, loss, state.params, state.compute_params, batch, rng, scale,
-      seen)
+  grads_of = (_global.loss_and_grads if layout.config.loss_scope ==
+              "global" else _grads.loss_and_grads)
+  grads, value, aux = grads_of(layout, loss, state.params,
+                               state.compute_params, batch, rng, scale, seen)
   metrics = {"loss": value}
   if loss.has_aux:
     metrics["aux"] = aux

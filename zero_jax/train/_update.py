@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from zero_jax import layers, materialize
 from zero_jax.layout import (DATA, MODEL, ComputeCopy, Prefetch, UpdateKind,
                              flat, plan_leaf)
-from zero_jax.train import _grads, _init, _loss_scale
+from zero_jax.train import _global, _init, _loss_scale
 from zero_jax.train._state import TrainState, compute_copy, on_device
 
 
@@ -257,13 +257,13 @@ class UpdateStrategy(Protocol):
 def compiler_options(layout) -> dict[str, Any] | None:
   """The XLA options the step is compiled with: prefetch's (with a loss
   of global meaning, ``layers.GLOBAL_PREFETCH_COMPILER_OPTIONS``), the
-  global loss's (``_grads.GLOBAL_LOSS_COMPILER_OPTIONS``), or none."""
+  global loss's (``_global.GLOBAL_LOSS_COMPILER_OPTIONS``), or none."""
   glob = layout.config.loss_scope == "global"
   if layout.prefetch is not Prefetch.OFF:
     return (layers.GLOBAL_PREFETCH_COMPILER_OPTIONS if glob else
             layers.PREFETCH_COMPILER_OPTIONS)
   if glob:
-    return _grads.GLOBAL_LOSS_COMPILER_OPTIONS
+    return _global.GLOBAL_LOSS_COMPILER_OPTIONS
   return None
 
 
