@@ -187,15 +187,15 @@ _SLICE_BYTES = 4 << 20
 
 
 @functools.cache
-def _wide(**options):
+def _wide(loss_scope="per_device", **options):
   """``compile_gpt`` of the wide shape on one H100 with the lowered slice
   budget (which only the streamed update reads), once per options. (The
-  per-device step's, whose gradient shards go to the host as backward
-  makes them: the global step's offload is tests/train/test_loss_scope.py's.)"""
+  per-device step's unless asked: the global one's offload is
+  test_the_global_loss_offloads_as_the_per_device_step's.)"""
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(offload, "SLICE_BYTES", _SLICE_BYTES)
     return compile_gpt("h100", 1, 3, **_WIDE, **options,
-                       overrides={"loss_scope": "per_device"})
+                       overrides={"loss_scope": loss_scope})
 
 
 def test_offloaded_optimizer_state_is_compiled_into_host_memory():
@@ -311,6 +311,24 @@ def test_host_update_leaves_the_device_the_compute_copy():
   assert 1.95 * half.params <= half.transfers.to_host <= 2.05 * half.params
   assert half.transfers.to_device == 2 * half.params
   assert half.transfer_bytes_per_param() <= 4.05
+
+
+@pytest.mark.parametrize("update_on", ["device", "host"])
+def test_the_global_loss_offloads_as_the_per_device_step(update_on):
+  # The default global loss, its gradients summed in bf16: stage 3 sends
+  # each gradient shard to host memory as backward makes it (in bf16 for
+  # the host's update, its sums as they are), as the per-device step with
+  # the same sums does, for about its peak.
+  options = dict(offload_optimizer=True, update_on=update_on)
+  _, per_device = _wide(reduce_dtype="bfloat16", **options)
+  _, glob = _wide("global", **options)
+  print(f"\nupdate on the {update_on}: peak {glob.memory.peak / GIB:.3f} "
+        f"GiB (per device {per_device.memory.peak / GIB:.3f}), to host "
+        f"{glob.transfers.to_host / glob.params:.2f} bytes a parameter "
+        f"({per_device.transfers.to_host / per_device.params:.2f})")
+  assert glob.memory.host == per_device.memory.host
+  assert glob.transfers.to_host == per_device.transfers.to_host
+  assert glob.memory.peak <= 1.1 * per_device.memory.peak
 
 
 @pytest.mark.parametrize("offload", [

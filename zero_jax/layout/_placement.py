@@ -210,12 +210,10 @@ class Placement:
     loss_scaling = config.compute_dtype == "float16"
     # Gradients straight to host memory, as backward makes them: the
     # per-device step's own collectives do that, and with a global loss
-    # the stage-3 leaves the engine hands over itself, with the update
-    # streamed on the device; the host's update takes a global loss's
-    # gradients from device memory, as it takes several micro-batches'.
+    # the stage-3 leaves the engine hands over itself. (Several
+    # micro-batches' gradients are summed in device memory first.)
     one_pass = grad_accum_steps == 1 and (
-        config.loss_scope == "per_device" or
-        (stage == 3 and config.update_on != "host"))
+        config.loss_scope == "per_device" or stage == 3)
     counts_skips = loss_scaling or config.skip_nonfinite
     quantize = Quantize(weights=config.quantized_weights,
                         gradients=config.quantized_gradients)

@@ -149,11 +149,13 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
   def wrt_of(x, h, stand_in, sharding):
     # What is differentiated. A handed leaf: its float32 shards, cast a
     # layer at a time (a 16-bit copy of every shard would be live through
-    # the step), or its stand-in (in host memory where its gradient goes
-    # there). Any other: what forward reads, on the device, in its own
-    # layout and in the dtype its gradient is summed in.
+    # the step), or its stand-in, in the dtype the update takes (the host
+    # update's 16-bit one: the sums are in it already) and in host memory
+    # where the gradient goes there. Any other: what forward reads, on the
+    # device, in its own layout and in the dtype its gradient is summed
+    # in.
     if stand_in:
-      return jax.device_put(jnp.zeros(x.shape, jnp.float32), sharding)
+      return jax.device_put(jnp.zeros(x.shape, out), sharding)
     if h:
       return x
     if pl.master_on_host:
