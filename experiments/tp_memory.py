@@ -201,7 +201,9 @@ def run_case(case: Case, hlo_dir: str | None = None) -> dict:
   engine = zj.Engine(
       make_loss_fn(graphdef), optax.adamw(1e-4),
       zj.ZeroConfig(stage=3, compute_dtype="bfloat16", remat="full",
-                    partition_activations=case.pa), mesh)
+                    partition_activations=case.pa,
+                    # (The per-device step, as its recorded results.)
+                    loss_scope="per_device"), mesh)
   batch = {"tokens": jax.ShapeDtypeStruct(
       (case.micro_batch * case.data, case.seq_len + 1), jnp.int32)}
   t0 = time.perf_counter()

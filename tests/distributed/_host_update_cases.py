@@ -9,8 +9,10 @@ STEPS = 3
 CASES = {
     "stage0": ("adamw", 2, dict(stage=0)),
     "stage1": ("lion", 4, dict(stage=1)),
+    # (Per device, as the case below.)
     "stage1_bf16_clip": ("adamw", 2, dict(stage=1, compute_dtype="bfloat16",
-                                          clip_grad_norm=0.05)),
+                                          clip_grad_norm=0.05,
+                                          loss_scope="per_device")),
     "stage2_accum": ("clip_adam", 8, dict(stage=2, grad_accum_steps=2)),
     "stage3_clip": ("adamw", 2, dict(stage=3, clip_grad_norm=0.05)),
     "stage3_fp16": ("adamw", 4, dict(stage=3, compute_dtype="float16")),

