@@ -360,9 +360,8 @@ class Placement:
     """Where each part of the state lives and the update runs."""
     dtype = self.compute_dtype.name if self.compute_dtype else "float32"
     if self.update is UpdateKind.HOST:
-      lines = ["fp32 master and optimizer state: in host RAM, split over "
-               "the host's CPU devices, updated there by a program of their "
-               "own (ZeRO-Offload)",
+      lines = ["fp32 master and optimizer state: in host RAM, updated on "
+               "the host (ZeRO-Offload; by which program: see below)",
                f"a {self.compute_copy.value} {dtype} copy for compute, in "
                f"{self.compute_memory.value} memory; gradients go to the "
                "host"

@@ -5,20 +5,40 @@ device a slice at a time (exact where ``separable`` proves the optimizer
 keeps rows and leaves apart); ``HostUpdate`` runs the update as a program
 of its own on the host's CPU devices (ZeRO-Offload's split), and
 ``MirroredUpdate`` does so in a multi-process run, each process updating
-the shards its own devices hold.
+the shards its own devices hold. ``FusedUpdate`` runs the optimizers built
+by ``adamw``, ``adam``, ``lion``, ``sgd`` and ``adagrad`` (optax's own,
+remembered with their rule) as one fused multi-threaded pass over host
+buffers that zero_jax owns, the 16-bit compute copy written in the same
+pass.
 """
 
+from zero_jax.offload._fused import FusedUpdate
+from zero_jax.offload._kernels import NOTHING, as_kernel_array, kernels
 from zero_jax.offload._host import HostUpdate, MirroredUpdate, host_devices
+from zero_jax.offload._optimizers import (HostRule, Kind, adagrad, adam,
+                                          adamw, lion, rule_of, sgd)
 from zero_jax.offload._separable import Report, Tag, analyze
 from zero_jax.offload._stream import SLICE_BYTES, Streamer
 
 __all__ = [
+    "FusedUpdate",
+    "HostRule",
     "HostUpdate",
+    "Kind",
+    "NOTHING",
     "MirroredUpdate",
     "Report",
     "SLICE_BYTES",
     "Streamer",
     "Tag",
+    "adagrad",
+    "adam",
+    "adamw",
     "analyze",
+    "as_kernel_array",
     "host_devices",
+    "kernels",
+    "lion",
+    "rule_of",
+    "sgd",
 ]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +24,8 @@ def _describe_value(x: Any) -> str:
   return type(x).__name__
 
 
-def check_state(state: Any, shapes: TrainState, shardings: TrainState
-                ) -> None:
+def check_state(state: Any, shapes: TrainState, shardings: TrainState,
+                live: Callable[[Any], bool] = lambda x: False) -> None:
   """Raises, naming the difference and the fix, unless ``state`` is a
   live ``TrainState`` of this layout.
 
@@ -33,6 +33,8 @@ def check_state(state: Any, shapes: TrainState, shardings: TrainState
     state: what ``engine.step`` was given.
     shapes: the engine's state as ``jax.ShapeDtypeStruct`` leaves.
     shardings: the engine's state shardings.
+    live: whether a numpy leaf is the engine's live host state (the fused
+      host optimizer's buffers, updated in place).
   """
   if not isinstance(state, TrainState):
     raise TypeError(
@@ -55,6 +57,15 @@ def check_state(state: Any, shapes: TrainState, shardings: TrainState
     for (path, x), w, sh in zip(got_leaves, jax.tree.leaves(want),
                                 jax.tree.leaves(part_shardings)):
       where = f"state.{part}{jax.tree_util.keystr(path)}"
+      if isinstance(x, np.ndarray) and part in ("params", "opt_state"):
+        if not live(x):
+          raise ValueError(
+              f"{where} is host state an earlier engine.step updated in "
+              "place: this TrainState was donated to that step, which "
+              "returned the state to use instead (state, metrics = "
+              "engine.step(state, batch)); to go back to an earlier step, "
+              "restore its checkpoint")
+        continue
       if not isinstance(x, jax.Array):
         raise TypeError(f"{where} is a {type(x).__name__}, not a jax.Array:"
                         " pass the state engine.init or engine.step "

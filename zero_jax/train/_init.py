@@ -161,6 +161,7 @@ def complete(layout, state: TrainState) -> TrainState:
       # afresh.
       loss_scale = dataclasses.replace(fresh(), skipped=jax.device_put(
           loss_scale.skipped, sh.loss_scale.skipped))
+  state = layout.update.adopt(state)
   return dataclasses.replace(
       state, compute_params=layout.update.compute_copy(layout, state.params),
       loss_scale=loss_scale)

@@ -436,11 +436,16 @@ def signature(params: Any) -> tuple:
 
 def _host_update(tx: optax.GradientTransformation, master: Any,
                  mesh: Mesh, mirrored: tuple[Plan, Plan] | None
-                 ) -> offload.HostUpdate:
-  """ZeRO-Offload's split: master and optimizer state on the host's CPU
-  devices, updated there by a program of their own. ``mirrored`` (a
+                 ) -> offload.HostUpdate | offload.FusedUpdate:
+  """ZeRO-Offload's split: master and optimizer state in host buffers,
+  updated by the fused host optimizer where ``tx`` is one it runs, else on
+  the host's CPU devices by a program of their own. ``mirrored`` (a
   multi-process run): the plans of the master and the optimizer state,
   whose shards each process updates for its own devices."""
+  rule = offload.rule_of(tx)
+  if mirrored is None and rule is not None:
+    return offload.FusedUpdate(tx, rule, master,
+                               offload.host_devices(mesh)[0])
   if mirrored is not None:
     spec = lambda s: s.spec
     return offload.MirroredUpdate(tx, master, mesh,

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zero_jax import materialize, offload
 from zero_jax.layout import (DATA, MODEL, ComputeCopy, GatherFrom, LeafPlan,
@@ -239,7 +240,9 @@ class OnHost:
     metrics.update(more)
     lr = injected_learning_rate(opt_state)
     if lr is not None:
-      metrics["learning_rate"] = lr  # (on the host's CPU devices)
+      # (On the host's CPU devices, or a copy of the host buffer the next
+      # update overwrites.)
+      metrics["learning_rate"] = np.array(lr) if self.fused else lr
     if loss_scale is not None:
       loss_scale = self.host.to_device(loss_scale, sh.loss_scale)
     to_device = lambda c: self.host.to_device(c, sh.compute_params)
@@ -270,8 +273,23 @@ class OnHost:
 
   def _prepare(self, layout):
     if self._prepare_of[0] is not layout:
-      self._prepare_of[:] = [layout, functools.partial(_host_prepare, layout)]
+      self._prepare_of[:] = [layout, functools.partial(
+          _host_scalars if self.fused else _host_prepare, layout)]
     return self._prepare_of[1]
+
+  @property
+  def fused(self) -> bool:
+    """Whether the fused host optimizer runs the update."""
+    return getattr(self.host, "fused", False)
+
+  def adopt(self, state):
+    if not self.fused:
+      return state
+    master, opt_state = self.host.adopt(state.params, state.opt_state)
+    return dataclasses.replace(state, params=master, opt_state=opt_state)
+
+  def live(self, x):
+    return self.fused and self.host.live(x)
 
   def initializer(self, layout, params):
     raise ValueError(
@@ -280,14 +298,10 @@ class OnHost:
         "there is no one init program to lower")
 
   def init(self, layout, params):
-    """Master and optimizer state built on the host's CPU devices, the
-    compute copy sent to the device."""
+    """Master and optimizer state built on the host (by the fused host
+    optimizer in its buffers, else on the host's CPU devices), the compute
+    copy sent to the device."""
     host = self.host
-    # (A copy the caller does not hold: the host's update donates it.)
-    master = jax.jit(lambda p: jax.tree.map(
-        lambda x: x.astype(jnp.float32), p),
-                     out_shardings=host.master_shardings)(
-                         _init.fresh(params, host.put(params)))
     rest = jax.jit(lambda: TrainState(
         step=jnp.zeros((), jnp.int32), params=None, opt_state=None,
         rng=jax.random.PRNGKey(layout.config.seed),
@@ -295,13 +309,25 @@ class OnHost:
                    out_shardings=dataclasses.replace(
                        device_part(layout.state_shardings),
                        compute_params=None))()
-    return dataclasses.replace(rest, params=master,
-                               opt_state=host.init(master),
+    if self.fused:
+      master, opt_state = host.init(params)
+    else:
+      # (A copy the caller does not hold: the host's update donates it.)
+      master = jax.jit(lambda p: jax.tree.map(
+          lambda x: x.astype(jnp.float32), p),
+                       out_shardings=host.master_shardings)(
+                           _init.fresh(params, host.put(params)))
+      opt_state = host.init(master)
+    return dataclasses.replace(rest, params=master, opt_state=opt_state,
                                compute_params=self.compute_copy(layout,
                                                                 master))
 
   def compute_copy(self, layout, master):
     """The compute copy, cast from the host's master, on the device."""
+    if self.fused:
+      return self.host.to_device(
+          self.host.cast(master, layout.placement.copy_dtype),
+          layout.state_shardings.compute_params)
     copy = jax.jit(lambda m: jax.tree.map(
         lambda x: x.astype(layout.placement.copy_dtype), m),
                    out_shardings=self.host.master_shardings)(master)
@@ -311,8 +337,15 @@ class OnHost:
     return self.host.to_device(tree, shardings)
 
   def describe(self, layout):
-    del layout
-    return [self.host.describe()]
+    line = self.host.describe()
+    if not self.fused:
+      line += (
+          "; the update is one XLA:CPU program: " +
+          ("the fused host optimizer runs in single-process runs only, "
+           "so far" if offload.rule_of(layout.tx) is not None else
+           "tx was not built by zero_jax.offload's adamw, adam, lion, sgd "
+           "or adagrad, which the fused host optimizer runs"))
+    return [line]
 
 
 def _per_device(lp: LeafPlan, n: int, m: int) -> int:
@@ -323,8 +356,27 @@ def _per_device(lp: LeafPlan, n: int, m: int) -> int:
 def _copied(host: Any, device: Any) -> bool:
   """Whether ``device`` is a copy of ``host`` that shares no buffer with it
   (no device in common; a mesh of CPU devices may be the host's own)."""
-  return all(h.sharding.device_set.isdisjoint(d.sharding.device_set)
+  return all(isinstance(h, jax.Array) and
+             h.sharding.device_set.isdisjoint(d.sharding.device_set)
              for h, d in zip(jax.tree.leaves(host), jax.tree.leaves(device)))
+
+
+def _host_scalars(layout, sumsq: jax.Array, extra: dict[str, Any]):
+  """``prepare`` for the fused host optimizer (``FusedUpdate.update``'s):
+  from the gradients' sum of squares, ``((divisor, clip, norm, c), finite,
+  (loss scale, metrics, overflow at min))``: each gradient is divided by
+  ``divisor`` (the loss scale), then, where ``clip``, by ``norm`` and
+  times ``c`` (optax.clip_by_global_norm's formula)."""
+  pl, c = layout.placement, layout.config.clip_grad_norm
+  stats = lambda grads, unscale: (unscale(jnp.sqrt(sumsq)),
+                                  jnp.isfinite(sumsq))
+  p = prepare(layout, None, extra["step"], extra["loss_scale"], stats)
+  norm = p.metrics["grad_norm"]
+  divisor = (extra["loss_scale"].scale if pl.loss_scaling
+             else jnp.float32(1))
+  clip = jnp.logical_not(norm < c) if c is not None else jnp.bool_(False)
+  return ((divisor, clip, norm, jnp.float32(1 if c is None else c)),
+          p.finite, (p.loss_scale, p.metrics, p.overflow_at_min))
 
 
 def _host_prepare(layout, grads: Any, extra: dict[str, Any]):

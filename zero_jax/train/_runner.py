@@ -227,7 +227,7 @@ class StepFunction:
     if state is not self._returned:
       # (The state the last step returned is known good: skip the walk.)
       _checks.check_state(state, layout.state_shapes,
-                          layout.state_shardings)
+                          layout.state_shardings, layout.update.live)
     _checks.check_batch(batch)
     batch = engine.shard_batch(batch)
     self._check_split(layout, state, batch)

@@ -246,6 +246,14 @@ class UpdateStrategy(Protocol):
   def compute_copy(self, layout, master: Any) -> Any:
     """The compute copy cast from a restored master."""
 
+  def adopt(self, state: TrainState) -> TrainState:
+    """A restored state as this strategy keeps it (the fused host
+    optimizer copies master and optimizer state into its buffers)."""
+
+  def live(self, x: Any) -> bool:
+    """Whether a numpy leaf of a state is this strategy's live host
+    state."""
+
   def to_device(self, tree: Any, shardings: Any) -> Any:
     """State leaves (``params`` or ``opt_state``) moved to ``shardings``
     on the mesh."""
@@ -309,6 +317,13 @@ class OnDevice:
 
   def to_device(self, tree, shardings):
     return jax.device_put(tree, shardings)
+
+  def adopt(self, state):
+    return state
+
+  def live(self, x):
+    del x
+    return False
 
   def describe(self, layout):
     del layout

@@ -1,0 +1,341 @@
+"""The fused host optimizer: ZeRO-Offload's update on host buffers that
+zero_jax owns (``update_on="host"`` with an optimizer of
+``zero_jax.offload``'s ``adamw``, ``adam``, ``lion``, ``sgd`` or
+``adagrad``).
+
+The fp32 master and the optimizer state are page-aligned numpy arrays,
+neither on XLA:CPU devices nor in XLA's pinned-host allocator (whose
+default 64 GB capped the model). A step:
+
+1. the gradients come to host memory as backward left them (16-bit where
+   the reduction made them so) and one kernel pass sums their squares
+   (float64): the global norm and the finite check;
+2. the step's scalars come from the layout's ``prepare`` (loss scale,
+   skip, clipping) and from optax itself: ``tx.update`` runs on a stub of
+   the state whose parameter-shaped leaves hold one element, so counts,
+   injected hyperparameters and schedules advance exactly as optax
+   advances them, and the kernel reads this step's learning rate, betas
+   and bias corrections from the result;
+3. one kernel per leaf updates master and state in place and writes the
+   16-bit compute copy in the same pass (``_kernels``).
+
+The compute copy is written into one of two host buffers in turn: the
+device copies one while the next update writes the other, and an update
+waits for the copy out of its buffer to finish before writing it.
+
+Each step returns new numpy views of the same buffers; ``live`` tells the
+views of the last step from older ones, which the engine refuses as it
+refuses a donated state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import SingleDeviceSharding
+
+from zero_jax.offload import _kernels
+from zero_jax.offload._optimizers import HostRule, Kind
+
+_PAGE = 4096
+
+
+def aligned(shape: tuple, dtype: Any) -> np.ndarray:
+  """An uninitialized array of ``shape`` and ``dtype`` whose data starts on
+  a page boundary (what O_DIRECT I/O and the kernels' vector loads want)."""
+  dtype = np.dtype(dtype)
+  n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(n + _PAGE, np.uint8)
+  start = -raw.ctypes.data % _PAGE
+  return raw[start:start + n].view(dtype).reshape(shape)
+
+
+def owned(x: Any, dtype: Any = None) -> np.ndarray:
+  """``x`` copied into an aligned array (in ``dtype``, default its own)."""
+  x = np.asarray(x)
+  out = aligned(x.shape, dtype or x.dtype)
+  np.copyto(out, x, casting="unsafe")
+  return out
+
+
+def _decays(rule: HostRule, master: Any) -> list[bool]:
+  """Per master leaf, whether weight decay applies (optax's ``mask``)."""
+  n = len(jax.tree.leaves(master))
+  if rule.mask is None:
+    return [True] * n
+  tree = rule.mask(master) if callable(rule.mask) else rule.mask
+  leaves = jax.tree.leaves(tree)
+  if len(leaves) != n or not all(isinstance(b, (bool, np.bool_))
+                                 for b in leaves):
+    raise ValueError(
+        "the weight-decay mask of a fused host optimizer must be a tree of "
+        "Python bools with one per parameter leaf (or a function of the "
+        f"parameters returning one); got {len(leaves)} leaves for {n} "
+        "parameters. Pass such a mask, or build the optimizer with optax "
+        "itself (it then runs as an XLA:CPU program)")
+  return [bool(b) for b in leaves]
+
+
+def _find(tree: Any, kind: type) -> Any:
+  """The one state of type ``kind`` inside ``tree``."""
+  found = [s for s in jax.tree.leaves(tree, is_leaf=lambda s: isinstance(
+      s, kind)) if isinstance(s, kind)]
+  assert len(found) == 1, (kind, len(found))
+  return found[0]
+
+
+class FusedUpdate:
+  """The optimizer update by the fused kernels, on host buffers.
+
+  The same interface as ``HostUpdate``, which ``OnHost`` drives.
+
+  Args:
+    tx: an optimizer built by ``zero_jax.offload``'s constructors.
+    rule: its rule (``rule_of(tx)``).
+    master: the fp32 master as ``jax.ShapeDtypeStruct`` leaves (a tree).
+    cpu: the CPU device where restored state arrives and the step's
+      scalar programs run.
+  """
+
+  fused = True
+
+  def __init__(self, tx: optax.GradientTransformation, rule: HostRule,
+               master: Any, cpu: Any):
+    self.tx, self.rule, self.cpu = tx, rule, cpu
+    self.master_shapes = master
+    self.opt_shapes = jax.eval_shape(tx.init, master)
+    on_cpu = SingleDeviceSharding(cpu)
+    # (Where a checkpoint restores the state to, before it is adopted.)
+    self.master_shardings = jax.tree.map(lambda _: on_cpu, master)
+    self.opt_shardings = jax.tree.map(lambda _: on_cpu, self.opt_shapes)
+    self._decay = _decays(rule, master)
+    # The stub: every parameter one element (of its rank, at least 1).
+    self._stub_params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((1,) * max(len(x.shape), 1),
+                                       jnp.float32), master)
+    stub_opt = jax.tree.leaves(jax.eval_shape(tx.init, self._stub_params))
+    self._big = [len(s.shape) > 0 for s in stub_opt]
+    self._stub_shapes = stub_opt
+    self._stub = jax.jit(self._stub_update)
+    self._scalars: dict[Any, Callable] = {}
+    self._copies: list[list[np.ndarray] | None] = [None, None]
+    self._sent: list[Any] = [None, None]
+    self._turn = 0
+    self._live: dict[int, np.ndarray] = {}
+    self.compile_seconds: float | None = None
+
+  # ------------------------------------------------------------ state
+
+  def live(self, x: Any) -> bool:
+    """Whether ``x`` is a view of the state this updater returned last."""
+    return self._live.get(id(x)) is x
+
+  def _views(self, tree: Any) -> Any:
+    """New views of ``tree``'s arrays, which become the live ones."""
+    out = jax.tree.map(lambda x: x.view(), tree)
+    return out
+
+  def _publish(self, master: Any, opt_state: Any) -> tuple[Any, Any]:
+    master, opt_state = self._views(master), self._views(opt_state)
+    self._live = {id(x): x for x in jax.tree.leaves((master, opt_state))}
+    return master, opt_state
+
+  def adopt(self, master: Any, opt_state: Any) -> tuple[Any, Any]:
+    """Master and optimizer state (arrays anywhere: a restore's, an
+    init's) copied into host buffers, one leaf at a time."""
+    master = jax.tree.map(lambda x: owned(x, np.float32), master)
+    opt_state = jax.tree.map(owned, opt_state)
+    return self._publish(master, opt_state)
+
+  def put(self, tree: Any, shardings: Any = None) -> Any:
+    """``tree`` as host arrays."""
+    del shardings
+    return jax.tree.map(np.asarray, tree)
+
+  def init(self, master: Any) -> tuple[Any, Any]:
+    """The host master (from ``master``, any arrays) and ``tx.init`` of it,
+    both in host buffers."""
+    master = jax.tree.map(lambda x: owned(x, np.float32), master)
+    with jax.default_device(self.cpu):
+      opt_state = jax.jit(self.tx.init)(master)
+    return self.adopt(master, opt_state)
+
+  def fits(self, tree: Any, dtype: Any) -> bool:
+    del tree, dtype
+    return False  # (the compute copy's buffers are this updater's own)
+
+  def to_host(self, tree: Any, shardings: Any = None) -> Any:
+    del shardings
+    return jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x)), tree)
+
+  def to_device(self, tree: Any, shardings: Any) -> Any:
+    """``tree`` (host arrays) copied to ``shardings``; a compute copy's
+    buffer is not written again until this copy is done."""
+    out = jax.device_put(tree, shardings, may_alias=False)
+    leaves = jax.tree.leaves(tree)
+    for i, bufs in enumerate(self._copies):
+      if bufs is not None and leaves and leaves[0] is bufs[0]:
+        self._sent[i] = out
+    return out
+
+  def describe(self) -> str:
+    """One line for ``Engine.describe()``."""
+    k = _kernels.kernels()
+    compiled = ("" if self.compile_seconds is None else
+                f"; kernels compiled or loaded in {self.compile_seconds:.1f} "
+                "s")
+    return (f"fused host optimizer ({self.rule.kind.value}, numba) on "
+            f"{k.max_threads} thread(s), master and state in host buffers; "
+            "one pass a step, the 16-bit compute copy written in it"
+            + compiled)
+
+  # ----------------------------------------------------------- update
+
+  def _stub_update(self, small: list, stub_grads: Any):
+    """optax's update of the stub state: the scalar leaves after this
+    step, and the kernel's coefficients read from them."""
+    it = iter(small)
+    leaves = [jnp.zeros(s.shape, s.dtype) if big else next(it)
+              for s, big in zip(self._stub_shapes, self._big)]
+    state = jax.tree.unflatten(jax.tree.structure(self.opt_shapes), leaves)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                          self._stub_params)
+    _, new = self.tx.update(stub_grads, state, params)
+    hp = new.hyperparams
+    coef = {k: jnp.asarray(v, jnp.float32) for k, v in hp.items()}
+    if self.rule.kind is Kind.ADAM:
+      count = _find(new, optax.ScaleByAdamState).count
+      # optax.tree.bias_correction's 1 - decay**count, as optax computes it.
+      coef["bc1"] = 1 - hp["b1"] ** count
+      coef["bc2"] = 1 - hp["b2"] ** count
+    return [x for x, big in zip(jax.tree.leaves(new), self._big)
+            if not big], coef
+
+  def _copy_buffer(self, dtype: Any) -> tuple[int, list[np.ndarray] | None]:
+    """The compute copy's buffer this update writes (None: the copy is the
+    fp32 master itself), once the copy out of it is done."""
+    for sent in self._sent:  # (the master may have been sent too)
+      if sent is not None:
+        jax.block_until_ready(sent)
+    self._sent = [None, None]
+    if jnp.dtype(dtype) == jnp.float32:
+      return -1, None
+    i, self._turn = self._turn, 1 - self._turn
+    bufs = self._copies[i]
+    if bufs is None or bufs[0].dtype != jnp.dtype(dtype):
+      bufs = [aligned(x.shape, dtype) for x in
+              jax.tree.leaves(self.master_shapes)]
+      self._copies[i] = bufs
+    return i, bufs
+
+  def cast(self, master: Any, compute_dtype: Any) -> Any:
+    """The compute copy of ``master`` in host memory."""
+    _, bufs = self._copy_buffer(compute_dtype)
+    if bufs is None:
+      return master
+    k = _kernels.kernels()
+    for p, out in zip(jax.tree.leaves(master), bufs):
+      k.cast(p.reshape(-1), _kernels.as_kernel_array(out))
+    return jax.tree.unflatten(jax.tree.structure(master), bufs)
+
+  def update(self, grads: Any, master: Any, opt_state: Any, extra: Any, *,
+             prepare: Callable[..., tuple[Any, Any, Any]],
+             compute_dtype: Any, into: Any = None
+             ) -> tuple[Any, Any, Any, Any]:
+    """One update, in place.
+
+    Args:
+      grads: the gradients as backward left them (any devices or memory).
+      master, opt_state: the live host state.
+      extra: small arrays ``prepare`` reads.
+      prepare: ``prepare(sumsq, extra) -> ((divisor, clip, norm, c),
+        finite, out)``: the gradients' scaling from the sum of their
+        squares, whether to apply them (None: always) and what else to
+        return.
+      compute_dtype: the compute copy's dtype.
+      into: unused (``HostUpdate``'s buffer reuse; these buffers are
+        reused always).
+
+    Returns:
+      ``(master, opt_state, compute, out)``: new views of the host state,
+      the compute copy (host arrays), and ``prepare``'s ``out``.
+    """
+    del into
+    k = _kernels.kernels()
+    start = time.perf_counter()
+    g = [_kernels.as_kernel_array(np.ascontiguousarray(np.asarray(x)))
+         for x in jax.tree.leaves(grads)]
+    sumsq = np.float32(sum(k.sumsq(x) for x in g))
+    with jax.default_device(self.cpu):
+      (divisor, clip, norm, c), finite, out = self._scalars_of(prepare)(
+          sumsq, jax.device_put(extra, self.cpu))
+    if finite is not None and not bool(finite):
+      # Skipped: master and state stay, the copy is cast afresh.
+      master, opt_state = self._publish(master, opt_state)
+      return master, opt_state, self.cast(master, compute_dtype), out
+    small = [x for x, big in zip(jax.tree.leaves(opt_state), self._big)
+             if not big]
+    with jax.default_device(self.cpu):
+      stub_grads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                self._stub_params)
+      new_small, coef = self._stub(small, stub_grads)
+    coef = {name: np.float32(v) for name, v in coef.items()}
+    scaling = (np.float32(divisor), bool(clip), np.float32(norm),
+               np.float32(c))
+    _, bufs = self._copy_buffer(compute_dtype)
+    state_leaves = jax.tree.leaves(opt_state)
+    per_leaf = _per_leaf_state(state_leaves, self._big,
+                               len(jax.tree.leaves(master)))
+    for j, (p, gj) in enumerate(zip(jax.tree.leaves(master), g)):
+      outj = (_kernels.NOTHING if bufs is None else
+              _kernels.as_kernel_array(bufs[j]))
+      self._run(k, p.reshape(-1), gj, [s.reshape(-1) for s in per_leaf[j]],
+                outj, scaling, coef, self._decay[j])
+    for x, v in zip(small, new_small):
+      x[...] = np.asarray(v)
+    if self.compile_seconds is None:
+      self.compile_seconds = time.perf_counter() - start
+    master, opt_state = self._publish(master, opt_state)
+    compute = master if bufs is None else jax.tree.unflatten(
+        jax.tree.structure(master), bufs)
+    return master, opt_state, compute, out
+
+  def _scalars_of(self, prepare: Callable) -> Callable:
+    if prepare not in self._scalars:
+      self._scalars[prepare] = jax.jit(prepare)
+    return self._scalars[prepare]
+
+  def _run(self, k, p, g, state, out, scaling, coef, decays) -> None:
+    """One leaf's kernel."""
+    neg_lr = -coef["learning_rate"]
+    wd = coef.get("weight_decay", np.float32(0)) if decays else np.float32(0)
+    kind = self.rule.kind
+    if kind is Kind.ADAM:
+      m, v = state
+      k.adam(p, g, m, v, out, *scaling, neg_lr, coef["b1"], coef["b2"],
+             coef["eps"], coef["eps_root"], wd, coef["bc1"], coef["bc2"])
+    elif kind is Kind.LION:
+      k.lion(p, g, state[0], out, *scaling, neg_lr, coef["b1"], coef["b2"],
+             wd)
+    elif kind is Kind.SGD:
+      t = state[0] if state else _kernels.NOTHING
+      k.sgd(p, g, t, out, *scaling, neg_lr,
+            coef.get("momentum", np.float32(0)), self.rule.nesterov)
+    else:
+      k.adagrad(p, g, state[0], out, *scaling, neg_lr, coef["eps"])
+
+
+def _per_leaf_state(leaves: list, big: list[bool], n: int
+                    ) -> list[list[np.ndarray]]:
+  """Per master leaf, its optimizer-state arrays in tree order (the
+  moments are parameter-shaped trees one after the other: mu's n leaves,
+  then nu's)."""
+  arrays = [x for x, b in zip(leaves, big) if b]
+  assert len(arrays) % n == 0, (len(arrays), n)
+  per = len(arrays) // n
+  return [[arrays[t * n + j] for t in range(per)] for j in range(n)]

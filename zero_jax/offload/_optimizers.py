@@ -1,0 +1,121 @@
+"""Optimizers the host updates in one fused pass (``update_on="host"``).
+
+Each is optax's own optimizer under ``optax.inject_hyperparams`` (so its
+hyperparameters, schedules included, are in its state, and the engine
+reports the learning rate of each update), remembered with the rule its
+fused kernel follows. Any other optax transformation still trains with
+``update_on="host"``: it runs as an XLA:CPU program instead, and
+``Engine.describe()`` says which runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable
+import weakref
+
+import optax
+
+
+class Kind(enum.Enum):
+  """The fused kernel an optimizer's update runs."""
+
+  ADAM = "adam"
+  LION = "lion"
+  SGD = "sgd"
+  ADAGRAD = "adagrad"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRule:
+  """How the fused host optimizer runs a transformation.
+
+  Attributes:
+    kind: the kernel.
+    mask: optax's weight-decay ``mask`` (a tree of bools, or a function of
+      the parameters that returns one; None: every leaf decays).
+    nesterov: SGD's Nesterov momentum.
+  """
+
+  kind: Kind
+  mask: Any = None
+  nesterov: bool = False
+
+
+# tx.update -> its rule. Weak: a rule lives as long as its transformation.
+_RULES: "weakref.WeakKeyDictionary[Callable, HostRule]" = (
+    weakref.WeakKeyDictionary())
+
+
+def rule_of(tx: optax.GradientTransformation) -> HostRule | None:
+  """The fused rule of ``tx``, if it was built here; else None."""
+  try:
+    return _RULES.get(tx.update)
+  except TypeError:  # (an update that takes no weak reference)
+    return None
+
+
+def _fused(tx: optax.GradientTransformation,
+           rule: HostRule) -> optax.GradientTransformation:
+  _RULES[tx.update] = rule
+  return tx
+
+
+def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9,
+          b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+          weight_decay: float = 1e-4, mask: Any = None
+          ) -> optax.GradientTransformation:
+  """``optax.adamw`` (same arguments and defaults), fused on the host.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1, b2, eps, eps_root: Adam's; each may be a schedule too.
+    weight_decay: decoupled weight decay.
+    mask: optax's: which leaves decay (a tree of bools or a function of
+      the parameters returning one).
+
+  Returns:
+    ``optax.inject_hyperparams(optax.adamw)`` of these arguments.
+  """
+  tx = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+      learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+      weight_decay=weight_decay, mask=mask)
+  return _fused(tx, HostRule(Kind.ADAM, mask))
+
+
+def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9,
+         b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0
+         ) -> optax.GradientTransformation:
+  """``optax.adam`` (same arguments and defaults), fused on the host."""
+  tx = optax.inject_hyperparams(optax.adam)(
+      learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
+  return _fused(tx, HostRule(Kind.ADAM))
+
+
+def lion(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9,
+         b2: float = 0.99, weight_decay: float = 1e-3, mask: Any = None
+         ) -> optax.GradientTransformation:
+  """``optax.lion`` (same arguments and defaults), fused on the host."""
+  tx = optax.inject_hyperparams(optax.lion, static_args=("mask",))(
+      learning_rate=learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
+      mask=mask)
+  return _fused(tx, HostRule(Kind.LION, mask))
+
+
+def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None,
+        nesterov: bool = False) -> optax.GradientTransformation:
+  """``optax.sgd`` (same arguments and defaults), fused on the host."""
+  tx = optax.inject_hyperparams(optax.sgd)(
+      learning_rate=learning_rate, momentum=momentum, nesterov=nesterov)
+  return _fused(tx, HostRule(Kind.SGD, nesterov=nesterov))
+
+
+def adagrad(learning_rate: optax.ScalarOrSchedule,
+            initial_accumulator_value: float = 0.1, eps: float = 1e-7
+            ) -> optax.GradientTransformation:
+  """``optax.adagrad`` (same arguments and defaults), fused on the host."""
+  tx = optax.inject_hyperparams(optax.adagrad)(
+      learning_rate=learning_rate,
+      initial_accumulator_value=initial_accumulator_value, eps=eps)
+  return _fused(tx, HostRule(Kind.ADAGRAD))
