@@ -161,7 +161,8 @@ def kernels() -> _types.SimpleNamespace:
     if copy:
       store(out, i, x)
 
-  @jit(parallel=True)
+  # (Reassociation lets the float64 sum vectorize: 4x faster on bf16.)
+  @jit(parallel=True, fastmath={"reassoc", "contract"})
   def sumsq(g):
     """The sum of squares of a gradient leaf, in float64 (non-finite if
     any element is)."""
