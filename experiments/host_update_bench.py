@@ -92,7 +92,7 @@ def _fused_kernel(n: int, threads: int, reps: int, copy: bool) -> float:
          else offload.NOTHING)
   f = np.float32
   args = (p, g, m, v, out, f(1), False, f(1), f(1), f(-1e-3), f(0.9),
-          f(0.999), f(1e-8), f(0), f(0.1), f(0.1), f(0.001))
+          f(0.999), f(1e-8), f(0), f(0.1), f(0.1), f(0.001), f(0))
   return _rate(lambda: k.adam(*args), n, reps)
 
 

@@ -4,11 +4,14 @@ ladder of steps compiled for the GPU (``zero_jax.analysis``; no GPU needed).
 For each GPT of the ladder (vocabulary 50304, sequence 1024, bf16 compute,
 fp32 AdamW, stage 3, remat full, ``--batch`` sequences) the train step and
 the init are compiled for one GPU with no offload, ``offload_optimizer``,
-and both offloads. The table gives the device peak of the step (argument +
-output + temp - alias), the init's, and the pinned host memory (master,
-moments and, with offload, the gradients); a model fits the GPU when both
-peaks are under ``--limit`` GiB, and the host when its pinned memory is
-under ``--host-limit``::
+both offloads, and both with the update on the host (the fused host
+optimizer). The table gives the device peak of the step (argument +
+output + temp - alias), the init's, and the host memory (pinned: master,
+moments and, with offload, the gradients; with the update on the host also
+the host buffers of the fused optimizer: master, moments, two compute
+copies and the gradients); a model fits the GPU when both peaks are under
+``--limit`` GiB, and the host when its host memory is under
+``--host-limit``::
 
   PYTHONPATH=. python experiments/offload_capacity.py
   PYTHONPATH=. python experiments/offload_capacity.py --target h200 \\
@@ -35,7 +38,12 @@ LADDER = [("1.3B", 24, 2048, 16), ("2.7B", 32, 2560, 32),
 MODES = [("no offload", {}),
          ("offload_optimizer", dict(offload_optimizer=True)),
          ("both offloads", dict(offload_optimizer=True,
-                                offload_params=True))]
+                                offload_params=True)),
+         # ZeRO-Offload's split with the fused host optimizer: its host RAM
+         # is the host buffers it holds plus the step's pinned memory.
+         ("both, update on host", dict(offload_optimizer=True,
+                                       offload_params=True, update_on="host",
+                                       optimizer="fused_adamw"))]
 
 
 def init_peak(engine, params_shapes) -> float:
@@ -56,6 +64,8 @@ def main(argv=None):
                  help="GiB of pinned host memory one GPU may use (default "
                  "120: a 128 GiB host with one GPU)")
   p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--remat", default="full",
+                 help="ZeroConfig.remat of every step (default full)")
   p.add_argument("--sizes", default=",".join(n for n, *_ in LADDER))
   p.add_argument("--out", default=os.path.join(
       os.path.dirname(__file__), "results", "offload_capacity_{target}.md"))
@@ -69,12 +79,19 @@ def main(argv=None):
       t = time.time()
       engine, c = compile_gpt(args.target, 1, 3, layers=layers,
                               hidden=hidden, heads=heads, vocab=50304,
-                              seq_len=1024, micro_batch=args.batch, **kw)
+                              seq_len=1024, micro_batch=args.batch,
+                              remat=args.remat, **kw)
       _, shapes = gpt_shapes(layers=layers, hidden=hidden, heads=heads,
                               vocab=50304, seq_len=1024)
-      init = init_peak(engine, shapes)
       step = c.memory.peak / GIB
       host = c.memory.host / GIB
+      if kw.get("update_on") == "host":
+        # (Its init is the compute copy sent to the device, which the
+        # step's arguments hold.)
+        init = 0.0
+        host += engine.layout.update.host_bytes(engine.layout) / GIB
+      else:
+        init = init_peak(engine, shapes)
       fits = max(step, init) <= args.limit
       with_host = fits and host <= args.host_limit
       for key, ok in ((mode, fits), ((mode, "host"), with_host)):
@@ -87,7 +104,7 @@ def main(argv=None):
             flush=True)
   lines = [f"Capacity on one {args.target} (compiled, limit {args.limit:g} "
            f"GiB): GPT, vocabulary 50304, sequence 1024, batch "
-           f"{args.batch}, bf16, fp32 AdamW, stage 3, remat full.",
+           f"{args.batch}, bf16, fp32 AdamW, stage 3, remat {args.remat}.",
            "",
            "| GPT | params | offload | step peak GiB | init peak GiB | "
            f"host GiB | fits the GPU | and host <= {args.host_limit:g} GiB |",

@@ -10,7 +10,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax import offload
+from zero_jax import analysis, offload
 from zero_jax.offload import _kernels
 
 STEPS = 4
@@ -134,3 +134,116 @@ def test_bad_mask_names_the_fix():
   with pytest.raises(ValueError, match="tree of Python bools"):
     _engine(offload.adamw(1e-2, mask=lambda p: 1.0), 3).init(
         m.mlp_params())
+
+
+# (stage, micro-batches, loss scope, reduce_dtype, gradient bytes a
+# parameter): a global loss sums in bf16, a per-device one in float32
+# unless reduce_dtype says bf16.
+@pytest.mark.parametrize("stage,accum,scope,reduce,grad_bytes", [
+    (0, None, "global", None, 2), (1, 2, "global", None, 2),
+    (3, 2, "global", None, 2), (2, None, "per_device", None, 4),
+    (3, None, "per_device", "bfloat16", 2),
+    (2, 2, "per_device", "bfloat16", 2), (1, None, "per_device", "bfloat16",
+                                          2)])
+def test_traffic_count_is_the_arrays_moved(monkeypatch, stage, accum, scope,
+                                           reduce, grad_bytes):
+  # The count describe() states against the bytes of the gradients that
+  # reach the host update and of each device's part of the compute copy
+  # sent back: 16-bit both ways with bf16 compute, with accumulation too.
+  moved = {"up": [], "down": []}
+  update, to_device = offload.FusedUpdate.update, offload.FusedUpdate.to_device
+
+  def counted_update(self, grads, *args, **kwargs):
+    moved["up"].append(sum(x.nbytes for x in jax.tree.leaves(grads)))
+    return update(self, grads, *args, **kwargs)
+
+  def counted_to_device(self, tree, shardings):
+    out = to_device(self, tree, shardings)
+    moved["down"].append(sum(s.data.nbytes for x in jax.tree.leaves(out)
+                             for s in x.addressable_shards))
+    return out
+
+  monkeypatch.setattr(offload.FusedUpdate, "update", counted_update)
+  monkeypatch.setattr(offload.FusedUpdate, "to_device", counted_to_device)
+  engine = zj.Engine(m.mlp_loss, offload.adamw(1e-2), zj.ZeroConfig(
+      stage=stage, offload_optimizer="host", update_on="host",
+      compute_dtype="bfloat16", grad_accum_steps=accum, loss_scope=scope,
+      reduce_dtype=reduce, min_shard_elements=0 if stage != 1 else 2**20),
+                     zj.make_mesh(num_devices=8))
+  m.run_steps(engine, engine.init(m.mlp_params()), m.mlp_batches(1))
+  down, up = engine.layout.update.traffic(engine.layout)
+  n = analysis.param_count(m.mlp_params())
+  assert moved["up"] == [up] and up == grad_bytes * n
+  assert moved["down"][-1] == down
+  assert f"{up / 2**20:,.1f} MiB of gradients" in engine.describe()
+
+
+def test_host_update_moves_4_bytes_a_parameter_at_1_3b():
+  # GPT-1.3B on one device, bf16 compute: 2 bytes of gradient up and 2 of
+  # compute copy down (the bound is 4.5), counted from the layout alone.
+  _, params = analysis.gpt_shapes(layers=24, hidden=2048, heads=16,
+                                  vocab=50304, seq_len=1024)
+  engine = zj.Engine(lambda p, b: 0.0, offload.adamw(1e-4), zj.ZeroConfig(
+      stage=3, offload_optimizer="host", update_on="host",
+      compute_dtype="bfloat16"), zj.make_mesh(num_devices=1))
+  engine.abstract_state(params)
+  down, up = engine.layout.update.traffic(engine.layout)
+  n = analysis.param_count(params)
+  assert n > 1.3e9 and (up, down) == (2 * n, 2 * n)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_delay_update_runs_in_the_background_and_equals_optax(tmp_path,
+                                                              dtype):
+  # With delay_update the kernels run on the updater's thread while the
+  # next step computes; what reads the state (the next update, a save,
+  # gather_params) waits for them: training is the XLA:CPU program's
+  # delayed update, and a save in between holds the settled state.
+  fused, plain = _optimizers()["adamw"]
+  params, batches = m.mlp_params(), m.mlp_batches(STEPS)
+  engines = [zj.Engine(m.mlp_loss, tx(), zj.ZeroConfig(
+      stage=2, offload_optimizer="host", update_on="host", delay_update=True,
+      compute_dtype=dtype, clip_grad_norm=CLIP),
+                       zj.make_mesh(num_devices=8)) for tx in (fused, plain)]
+  runs = []
+  for engine in engines:
+    state = engine.init(params)
+    state, losses = m.run_steps(engine, state, batches[:2])
+    with zj.Checkpointer(tmp_path / str(len(runs))) as ckpt:
+      ckpt.save(state)
+    state, more = m.run_steps(engine, state, batches[2:])
+    runs.append((losses + more, engine.gather_params(state)))
+  host = engines[0].layout.update.host
+  assert host.fused and host._worker is not None  # pylint: disable=protected-access
+  m.assert_matches(*runs[0], *runs[1], tol=1e-6)
+  with zj.Checkpointer(tmp_path / "0", read_only=True) as a, \
+      zj.Checkpointer(tmp_path / "1", read_only=True) as b:
+    saved = [c.restore(e, params) for c, e in zip((a, b), engines)]
+  assert m.rel_err(*(e.gather_params(s) for e, s in zip(engines, saved))
+                   ) < 1e-6
+
+
+@pytest.mark.parametrize("optimizer,scheduler", [
+    ({"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+     {"type": "WarmupLR", "params": {"warmup_min_lr": 0,
+                                     "warmup_max_lr": 1e-2,
+                                     "warmup_num_steps": 3}}),
+    ({"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1,
+                                 "adam_w_mode": False,
+                                 "bias_correction": False}}, None),
+    ({"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.1}}, None)])
+def test_deepspeed_optimizers_run_fused(optimizer, scheduler):
+  # zj.initialize's FusedAdam (AdamW, Adam with L2, no bias correction) and
+  # FusedLion, with DeepSpeed's formulas and schedule, run on the fused
+  # host optimizer and equal the same transformation as an XLA:CPU program
+  # (wrapped in a chain of its own, which the fused optimizer does not
+  # know).
+  ds = lambda: zj.config.optimizer_from_deepspeed(optimizer, scheduler)
+  params, batches = m.mlp_params(), m.mlp_batches(STEPS)
+  fused = _engine(ds(), 2, "bfloat16")
+  losses, out, _ = m.train_engine(fused, params, batches)
+  assert "DeepSpeed's, numba" in fused.describe()
+  xla = _engine(optax.chain(ds()), 2, "bfloat16")
+  ref_losses, ref, _ = m.train_engine(xla, params, batches)
+  assert "XLA:CPU program" in xla.describe()
+  m.assert_matches(losses, out, ref_losses, ref, tol=1e-6)

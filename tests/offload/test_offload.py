@@ -290,9 +290,12 @@ def test_host_update_runs_on_the_spare_cpu_devices_and_changes_nothing(
 def test_host_update_takes_16_bit_gradients_in_the_reduce_dtype(stage,
                                                                  accum):
   # ZeRO-Offload's traffic: with a 16-bit reduce_dtype the gradients cross
-  # to the host in it, where that rounds nothing the update on the device
-  # would not (one reduction's sums; stage 3 sends each shard to host
-  # memory as backward makes it), so training is the device's, exactly.
+  # to the host in it. With one micro-batch that rounds nothing the update
+  # on the device would not (one reduction's sums; stage 3 sends each shard
+  # to host memory as backward makes it), so training is the device's,
+  # exactly; over several, their float32 sum is rounded to bfloat16 once
+  # (2 bytes a parameter at every stage and with accumulation): each
+  # update then moves by at most lr * 2**-8 more than the device's.
   def run(**extra):
     engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS["adamw"](), zj.ZeroConfig(
         stage=stage, min_shard_elements=0, compute_dtype="bfloat16",
@@ -312,19 +315,22 @@ def test_host_update_takes_16_bit_gradients_in_the_reduce_dtype(stage,
   _, _, ref, ref_losses = run()
   assert "gradients go to the host in bfloat16" in engine.describe()
   # The device's program returns the gradients: the 64 x 64 and 16 x 64
-  # weights' in bfloat16 (half the bytes); with several micro-batches the
-  # float32 sums of the micro-batches' gradients stay float32 (a global
-  # loss sums each micro-batch's into the update's layout).
+  # weights' in bfloat16 (half the bytes), with several micro-batches too.
   grads = jax.tree.leaves(lowered.out_info[-1])
   dtypes = sorted(str(g.dtype) for g in grads if g.shape in ((16, 64),
                                                              (64, 64)))
-  want = "float32" if accum > 1 else "bfloat16"
-  assert dtypes == [want, want], dtypes
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-  for x, y in zip(jax.tree.leaves((state.params, state.opt_state)),
-                  jax.tree.leaves((ref.params, ref.opt_state))):
+  assert dtypes == ["bfloat16", "bfloat16"], dtypes
+  # (3 updates at the optimizer's rate, 1e-2.)
+  rtol, atol = (1e-6, 1e-6) if accum == 1 else (1e-4, 3 * 1e-2 * 2**-8)
+  np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+  for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref.params)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0,
-                               atol=1e-6)
+                               atol=atol)
+  if accum == 1:
+    for x, y in zip(jax.tree.leaves(state.opt_state),
+                    jax.tree.leaves(ref.opt_state)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0,
+                                 atol=1e-6)
 
 
 def test_delay_update_applies_each_gradient_one_update_late():

@@ -59,7 +59,8 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
     attention: ``GPTConfig.attention``.
     optimizer: an optax optimizer without arguments beyond the learning
       rate (``adamw``, ``adam``, ``sgd``, ``sgd_momentum``, ``lion``,
-      ``adafactor``).
+      ``adafactor``), or ``fused_`` and one of ``adamw``, ``adam``, ``sgd``,
+      ``sgd_momentum``, ``lion``, ``adagrad``: ``zero_jax.offload``'s.
     replica: replica groups of the mesh.
     model: devices per tensor-parallel group (the mesh's ``model`` axis;
       the GPT splits itself over it Megatron-style).
@@ -105,10 +106,17 @@ def compile_gpt(target: str, devices: int, stage: int, *, layers: int,
 
 
 def _optimizer(name: str):
-  """``compile_gpt``'s ``optimizer``: an optax optimizer by name."""
-  import optax  # pylint: disable=g-import-not-at-top
-  return (optax.sgd(1e-4, momentum=0.9) if name == "sgd_momentum" else
-          getattr(optax, name)(1e-4))
+  """``compile_gpt``'s ``optimizer``: an optax optimizer by name, or with
+  ``fused_``, ``zero_jax.offload``'s (the fused host optimizer's)."""
+  # pylint: disable=g-import-not-at-top
+  import optax
+
+  from zero_jax import offload
+  # pylint: enable=g-import-not-at-top
+  lib, name = ((offload, name[len("fused_"):]) if name.startswith("fused_")
+               else (optax, name))
+  return (lib.sgd(1e-4, momentum=0.9) if name == "sgd_momentum" else
+          getattr(lib, name)(1e-4))
 
 
 def gpt_shapes(*, layers: int, hidden: int, heads: int, vocab: int,

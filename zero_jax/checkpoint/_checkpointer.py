@@ -45,7 +45,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zero_jax import _last_checkpoint
+from zero_jax import _last_checkpoint, offload
 from zero_jax.checkpoint import _integrity, _lineage
 from zero_jax.checkpoint._errors import (CheckpointConflictError,
                                          CheckpointWriteError)
@@ -205,6 +205,7 @@ class Checkpointer:
           f"Checkpointer({self.directory!r}, read_only=True) cannot save; "
           "create a Checkpointer without read_only to save, into a "
           "writable directory")
+    offload.settle()  # (host state a background update still writes)
     step = int(state.step)
     sums = _integrity.checksums(stored_tree(state))
     if self._pending is not None and self._pending[0] == step:
@@ -248,8 +249,7 @@ class Checkpointer:
             "opt_state": outline(state.opt_state),
             "run": run.record(),
             "checksum": _integrity.ALGORITHM, "checksums": sums}
-    if engine is not None:
-      # (JSON: tuples become lists.)
+    if engine is not None:  # (JSON: tuples become lists)
       meta["config"] = dataclasses.asdict(engine.config)
     try:
       started = self._manager.save(step, args=ocp.args.Composite(

@@ -17,6 +17,7 @@ from zero_jax.config._ds_mapping import (MAPPING, DeepSpeedKey,
 from zero_jax.config._ds_optim import (OPTIMIZERS, SCHEDULERS,
                                        optimizer_from_deepspeed,
                                        schedule_from_deepspeed)
+from zero_jax.config._ds_transforms import FusedForm, fused_form
 from zero_jax.config._remat import (AUTO_CANDIDATES, NAMED_POLICIES,
                                     REMAT_POLICIES, RematPolicy, check_remat)
 
@@ -25,6 +26,7 @@ __all__ = [
     "AUTO_KEYWORDS",
     "DeepSpeedConfig",
     "DeepSpeedKey",
+    "FusedForm",
     "MAPPING",
     "NAMED_POLICIES",
     "OPTIMIZERS",
@@ -35,6 +37,7 @@ __all__ = [
     "ZeroConfig",
     "check_remat",
     "from_deepspeed",
+    "fused_form",
     "key_list_markdown",
     "mapping_table_markdown",
     "optimizer_from_deepspeed",

@@ -38,7 +38,7 @@ from zero_jax.config._ds_schedules import (Params, Schedule, no_auto,
 # Re-exported: the callers of optimizer_from_deepspeed import these here.
 from zero_jax.config._ds_schedules import (  # noqa: F401
     SCHEDULERS, schedule_from_deepspeed)
-from zero_jax.config._ds_transforms import (Hyper, scale_by_adam,
+from zero_jax.config._ds_transforms import (Hyper, same_form, scale_by_adam,
                                             scale_by_lamb, scale_by_lion,
                                             scale_by_torch_adagrad,
                                             scale_by_torch_sgd)
@@ -301,7 +301,9 @@ def optimizer_from_deepspeed(optimizer: Mapping[str, Any] | None,
   direction, lr, schedule = _direction(_optimizer_type(kind), params,
                                        scheduler)
   rate = lr if schedule is None else schedule.lr
-  return optax.chain(
+  # (The chain keeps its direction's FusedForm: the fused host optimizer
+  # runs FusedAdam and FusedLion.)
+  return same_form(optax.chain(
       direction,
       optax.inject_hyperparams(optax.scale_by_learning_rate)(
-          learning_rate=rate))
+          learning_rate=rate)), direction)

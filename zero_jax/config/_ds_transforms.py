@@ -12,7 +12,9 @@ Sources: ``csrc/adam/multi_tensor_adam.cu``,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +57,51 @@ def _need_params(params: Any, what: str) -> None:
     raise ValueError(
         f"{what}'s update needs the parameters: call tx.update(grads, "
         "state, params)")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedForm:
+  """What the fused host optimizer (``zero_jax.offload``) runs of a
+  DeepSpeed optimizer built here.
+
+  Attributes:
+    kind: ``"adam"`` (FusedAdam, no AMSGrad) or ``"lion"`` (FusedLion).
+    weight_decay: the decay.
+    decoupled: added to the update (AdamW, Lion); else to the gradient
+      (Adam's L2).
+    coefficients: of the number of updates applied before this one, this
+      update's ``b1``, ``b2`` and (Adam) ``eps``, ``bc1``, ``bc2``, computed
+      as the transformation computes them.
+  """
+
+  kind: str
+  weight_decay: float
+  decoupled: bool
+  coefficients: Callable[[jax.Array], dict[str, jax.Array]]
+
+
+# tx.update -> its FusedForm (weak: as long as the transformation lives).
+_FORMS: "weakref.WeakKeyDictionary[Callable, FusedForm]" = (
+    weakref.WeakKeyDictionary())
+
+
+def fused_form(tx: optax.GradientTransformation) -> FusedForm | None:
+  """The ``FusedForm`` of a DeepSpeed optimizer built here (its direction,
+  or ``optimizer_from_deepspeed``'s chain), else None."""
+  try:
+    return _FORMS.get(tx.update)
+  except TypeError:  # (an update that takes no weak reference)
+    return None
+
+
+def same_form(tx: optax.GradientTransformation,
+              of: optax.GradientTransformation
+              ) -> optax.GradientTransformation:
+  """``tx`` with the ``FusedForm`` of ``of`` (if it has one)."""
+  form = fused_form(of)
+  if form is not None:
+    _FORMS[tx.update] = form
+  return tx
 
 
 class DeepSpeedAdamState(NamedTuple):
@@ -103,7 +150,20 @@ def scale_by_adam(b1: Hyper, b2: Hyper, eps: float, weight_decay: float,
     return out, DeepSpeedAdamState(optax.safe_increment(state.count), mu,
                                    nu, nu_max)
 
-  return optax.GradientTransformation(init, update)
+  def coefficients(count):
+    beta1, beta2 = _at(b1, count), _at(b2, count)
+    step = as_real(count + 1)
+    one = jnp.ones((), real_dtype())
+    bc1, bc2 = ((_one_minus_pow(beta1, step), _one_minus_pow(beta2, step))
+                if bias_correction else (one, one))
+    return dict(b1=beta1, b2=beta2, eps=jnp.asarray(eps, real_dtype()),
+                bc1=bc1, bc2=bc2)
+
+  tx = optax.GradientTransformation(init, update)
+  if not amsgrad:
+    _FORMS[tx.update] = FusedForm("adam", weight_decay, adam_w_mode,
+                                  coefficients)
+  return tx
 
 
 def scale_by_lamb(b1: Hyper, b2: Hyper, eps: float, eps_inside_sqrt: bool,
@@ -184,7 +244,11 @@ def scale_by_lion(b1: Hyper, b2: Hyper, weight_decay: float
                                     ).astype(m.dtype), state.mu, grads)
     return out, DeepSpeedLionState(optax.safe_increment(state.count), mu)
 
-  return optax.GradientTransformation(init, update)
+  tx = optax.GradientTransformation(init, update)
+  _FORMS[tx.update] = FusedForm(
+      "lion", weight_decay, True,
+      lambda count: dict(b1=_at(b1, count), b2=_at(b2, count)))
+  return tx
 
 
 class TorchSGDState(NamedTuple):

@@ -338,8 +338,8 @@ class Placement:
   def host_grad_dtype(self) -> np.dtype | None:
     """With the update on the host, the 16-bit dtype gradients cross to it
     in (ZeRO-Offload's 2 bytes a parameter): a 16-bit ``reduce_dtype``,
-    in which the sums already are, so the device rounds nothing that the
-    update on the device would not. None: float32."""
+    in which the sums of one micro-batch already are; over several,
+    their float32 sum is rounded to it once. None: float32."""
     rd = self.reduce_dtype
     if (self.update is UpdateKind.HOST and rd is not None and
         np.dtype(rd).itemsize < 4):

@@ -12,7 +12,7 @@ buffers that zero_jax owns, the 16-bit compute copy written in the same
 pass.
 """
 
-from zero_jax.offload._fused import FusedUpdate
+from zero_jax.offload._fused import FusedUpdate, settle
 from zero_jax.offload._kernels import NOTHING, as_kernel_array, kernels
 from zero_jax.offload._host import HostUpdate, MirroredUpdate, host_devices
 from zero_jax.offload._optimizers import (HostRule, Kind, adagrad, adam,
@@ -40,5 +40,6 @@ __all__ = [
     "kernels",
     "lion",
     "rule_of",
+    "settle",
     "sgd",
 ]

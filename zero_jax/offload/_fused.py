@@ -30,8 +30,10 @@ refuses a donated state.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Any, Callable
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,17 @@ from zero_jax.offload import _kernels
 from zero_jax.offload._optimizers import HostRule, Kind
 
 _PAGE = 4096
+
+# The updaters whose kernels run in the background now (``settle``).
+_PENDING: "weakref.WeakSet[FusedUpdate]" = weakref.WeakSet()
+
+
+def settle() -> None:
+  """Waits for every fused host update running in the background in this
+  process: what reads host state the engine updates in place (a
+  checkpoint's save) calls it first."""
+  for update in list(_PENDING):
+    update.wait()
 
 
 def aligned(shape: tuple, dtype: Any) -> np.ndarray:
@@ -127,35 +140,38 @@ class FusedUpdate:
     self._sent: list[Any] = [None, None]
     self._turn = 0
     self._live: dict[int, np.ndarray] = {}
+    self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+    self._pending: concurrent.futures.Future | None = None
+    self._writing: int | None = None  # (the copy buffer it writes)
     self.compile_seconds: float | None = None
 
   # ------------------------------------------------------------ state
+
+  def wait(self) -> None:
+    """Waits for a background update (``update(background=True)``) to
+    finish; its error, if it failed, is raised here."""
+    pending, self._pending, self._writing = self._pending, None, None
+    _PENDING.discard(self)
+    if pending is not None:
+      pending.result()
 
   def live(self, x: Any) -> bool:
     """Whether ``x`` is a view of the state this updater returned last."""
     return self._live.get(id(x)) is x
 
-  def _views(self, tree: Any) -> Any:
-    """New views of ``tree``'s arrays, which become the live ones."""
-    out = jax.tree.map(lambda x: x.view(), tree)
-    return out
-
   def _publish(self, master: Any, opt_state: Any) -> tuple[Any, Any]:
-    master, opt_state = self._views(master), self._views(opt_state)
+    # New views of the same buffers: the live ones from now on.
+    master, opt_state = jax.tree.map(lambda x: x.view(), (master, opt_state))
     self._live = {id(x): x for x in jax.tree.leaves((master, opt_state))}
     return master, opt_state
 
   def adopt(self, master: Any, opt_state: Any) -> tuple[Any, Any]:
     """Master and optimizer state (arrays anywhere: a restore's, an
     init's) copied into host buffers, one leaf at a time."""
+    self.wait()
     master = jax.tree.map(lambda x: owned(x, np.float32), master)
     opt_state = jax.tree.map(owned, opt_state)
     return self._publish(master, opt_state)
-
-  def put(self, tree: Any, shardings: Any = None) -> Any:
-    """``tree`` as host arrays."""
-    del shardings
-    return jax.tree.map(np.asarray, tree)
 
   def init(self, master: Any) -> tuple[Any, Any]:
     """The host master (from ``master``, any arrays) and ``tx.init`` of it,
@@ -166,22 +182,40 @@ class FusedUpdate:
     return self.adopt(master, opt_state)
 
   def fits(self, tree: Any, dtype: Any) -> bool:
+    """Never: the compute copy's buffers are this updater's own."""
     del tree, dtype
-    return False  # (the compute copy's buffers are this updater's own)
-
-  def to_host(self, tree: Any, shardings: Any = None) -> Any:
-    del shardings
-    return jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x)), tree)
+    return False
 
   def to_device(self, tree: Any, shardings: Any) -> Any:
     """``tree`` (host arrays) copied to ``shardings``; a compute copy's
-    buffer is not written again until this copy is done."""
-    out = jax.device_put(tree, shardings, may_alias=False)
+    buffer is not written again until this copy is done. (Waits for a
+    background update unless ``tree`` is a compute copy it is not
+    writing.)"""
     leaves = jax.tree.leaves(tree)
-    for i, bufs in enumerate(self._copies):
-      if bufs is not None and leaves and leaves[0] is bufs[0]:
-        self._sent[i] = out
+    copy = [i for i, bufs in enumerate(self._copies)
+            if bufs is not None and leaves and leaves[0] is bufs[0]]
+    if not copy or copy[0] == self._writing:
+      self.wait()
+    if any(d.platform == "cpu" for s in jax.tree.leaves(shardings)
+           for d in s.device_set):
+      # JAX's CPU devices take an aligned numpy array as their buffer
+      # (may_alias=False or not): give them one that nothing writes.
+      tree = jax.tree.map(np.array, tree)
+    out = jax.device_put(tree, shardings, may_alias=False)
+    for i in copy:
+      self._sent[i] = out
     return out
+
+  def host_bytes(self, copy_dtype: Any, grad_dtype: Any) -> int:
+    """Host RAM the update holds: master and optimizer state, two compute
+    copies (one being sent while the next is written), and the gradients
+    as they arrive."""
+    state = sum(x.size * np.dtype(x.dtype).itemsize for x in
+                jax.tree.leaves((self.master_shapes, self.opt_shapes)))
+    n = sum(x.size for x in jax.tree.leaves(self.master_shapes))
+    copies = 0 if np.dtype(copy_dtype) == np.float32 else 2 * n * np.dtype(
+        copy_dtype).itemsize
+    return state + copies + n * np.dtype(grad_dtype).itemsize
 
   def describe(self) -> str:
     """One line for ``Engine.describe()``."""
@@ -189,10 +223,11 @@ class FusedUpdate:
     compiled = ("" if self.compile_seconds is None else
                 f"; kernels compiled or loaded in {self.compile_seconds:.1f} "
                 "s")
-    return (f"fused host optimizer ({self.rule.kind.value}, numba) on "
+    what = self.rule.kind.value + (
+        ", DeepSpeed's" if self.rule.deepspeed is not None else "")
+    return (f"fused host optimizer ({what}, numba) on "
             f"{k.max_threads} thread(s), master and state in host buffers; "
-            "one pass a step, the 16-bit compute copy written in it"
-            + compiled)
+            "one pass a step, the compute copy written in it" + compiled)
 
   # ----------------------------------------------------------- update
 
@@ -206,6 +241,15 @@ class FusedUpdate:
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                           self._stub_params)
     _, new = self.tx.update(stub_grads, state, params)
+    form = self.rule.deepspeed
+    if form is not None:
+      # zj.initialize's chain: (DeepSpeed's direction, the injected rate).
+      coef = {**form.coefficients(state[0].count),
+              "learning_rate": new[1].hyperparams["learning_rate"],
+              "weight_decay" if form.decoupled else "l2": form.weight_decay}
+      coef = {k: jnp.asarray(v, jnp.float32) for k, v in coef.items()}
+      return [x for x, big in zip(jax.tree.leaves(new), self._big)
+              if not big], coef
     hp = new.hyperparams
     coef = {k: jnp.asarray(v, jnp.float32) for k, v in hp.items()}
     if self.rule.kind is Kind.ADAM:
@@ -216,14 +260,16 @@ class FusedUpdate:
     return [x for x, big in zip(jax.tree.leaves(new), self._big)
             if not big], coef
 
-  def _copy_buffer(self, dtype: Any) -> tuple[int, list[np.ndarray] | None]:
+  def _copy_buffer(self, dtype: Any, separate: bool = False
+                   ) -> tuple[int, list[np.ndarray] | None]:
     """The compute copy's buffer this update writes (None: the copy is the
-    fp32 master itself), once the copy out of it is done."""
+    fp32 master itself, unless ``separate``), once the copy out of it is
+    done."""
     for sent in self._sent:  # (the master may have been sent too)
       if sent is not None:
         jax.block_until_ready(sent)
     self._sent = [None, None]
-    if jnp.dtype(dtype) == jnp.float32:
+    if jnp.dtype(dtype) == jnp.float32 and not separate:
       return -1, None
     i, self._turn = self._turn, 1 - self._turn
     bufs = self._copies[i]
@@ -235,6 +281,7 @@ class FusedUpdate:
 
   def cast(self, master: Any, compute_dtype: Any) -> Any:
     """The compute copy of ``master`` in host memory."""
+    self.wait()
     _, bufs = self._copy_buffer(compute_dtype)
     if bufs is None:
       return master
@@ -245,7 +292,7 @@ class FusedUpdate:
 
   def update(self, grads: Any, master: Any, opt_state: Any, extra: Any, *,
              prepare: Callable[..., tuple[Any, Any, Any]],
-             compute_dtype: Any, into: Any = None
+             compute_dtype: Any, into: Any = None, background: bool = False
              ) -> tuple[Any, Any, Any, Any]:
     """One update, in place.
 
@@ -260,12 +307,18 @@ class FusedUpdate:
       compute_dtype: the compute copy's dtype.
       into: unused (``HostUpdate``'s buffer reuse; these buffers are
         reused always).
+      background: run the kernels on this updater's thread and return
+        once the gradients are read and the step's scalars known
+        (``delay_update``: the host's update overlaps the device's next
+        step). Whatever reads the state waits for them first (``wait``,
+        ``settle``).
 
     Returns:
       ``(master, opt_state, compute, out)``: new views of the host state,
       the compute copy (host arrays), and ``prepare``'s ``out``.
     """
     del into
+    self.wait()
     k = _kernels.kernels()
     start = time.perf_counter()
     g = [_kernels.as_kernel_array(np.ascontiguousarray(np.asarray(x)))
@@ -287,19 +340,34 @@ class FusedUpdate:
     coef = {name: np.float32(v) for name, v in coef.items()}
     scaling = (np.float32(divisor), bool(clip), np.float32(norm),
                np.float32(c))
-    _, bufs = self._copy_buffer(compute_dtype)
+    # (In the background the next step may read the last copy while this
+    # one is written: a buffer of its own even in float32.)
+    writing, bufs = self._copy_buffer(compute_dtype, separate=background)
     state_leaves = jax.tree.leaves(opt_state)
     per_leaf = _per_leaf_state(state_leaves, self._big,
                                len(jax.tree.leaves(master)))
-    for j, (p, gj) in enumerate(zip(jax.tree.leaves(master), g)):
-      outj = (_kernels.NOTHING if bufs is None else
-              _kernels.as_kernel_array(bufs[j]))
-      self._run(k, p.reshape(-1), gj, [s.reshape(-1) for s in per_leaf[j]],
-                outj, scaling, coef, self._decay[j])
     for x, v in zip(small, new_small):
       x[...] = np.asarray(v)
-    if self.compile_seconds is None:
-      self.compile_seconds = time.perf_counter() - start
+
+    def kernels():
+      for j, (p, gj) in enumerate(zip(jax.tree.leaves(master), g)):
+        outj = (_kernels.NOTHING if bufs is None else
+                _kernels.as_kernel_array(bufs[j]))
+        self._run(k, p.reshape(-1), gj,
+                  [s.reshape(-1) for s in per_leaf[j]], outj, scaling, coef,
+                  self._decay[j])
+      if self.compile_seconds is None:
+        self.compile_seconds = time.perf_counter() - start
+
+    if background:
+      if self._worker is None:
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="zero_jax-host-update")
+      self._pending = self._worker.submit(kernels)
+      self._writing = writing
+      _PENDING.add(self)
+    else:
+      kernels()
     master, opt_state = self._publish(master, opt_state)
     compute = master if bufs is None else jax.tree.unflatten(
         jax.tree.structure(master), bufs)
@@ -313,15 +381,17 @@ class FusedUpdate:
   def _run(self, k, p, g, state, out, scaling, coef, decays) -> None:
     """One leaf's kernel."""
     neg_lr = -coef["learning_rate"]
-    wd = coef.get("weight_decay", np.float32(0)) if decays else np.float32(0)
+    zero = np.float32(0)
+    wd = coef.get("weight_decay", zero) if decays else zero
     kind = self.rule.kind
     if kind is Kind.ADAM:
       m, v = state
       k.adam(p, g, m, v, out, *scaling, neg_lr, coef["b1"], coef["b2"],
-             coef["eps"], coef["eps_root"], wd, coef["bc1"], coef["bc2"])
+             coef["eps"], coef.get("eps_root", zero), wd, coef["bc1"],
+             coef["bc2"], coef.get("l2", zero))
     elif kind is Kind.LION:
       k.lion(p, g, state[0], out, *scaling, neg_lr, coef["b1"], coef["b2"],
-             wd)
+             wd, self.rule.deepspeed is not None)
     elif kind is Kind.SGD:
       t = state[0] if state else _kernels.NOTHING
       k.sgd(p, g, t, out, *scaling, neg_lr,

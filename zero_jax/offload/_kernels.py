@@ -42,19 +42,18 @@ def kernels() -> _types.SimpleNamespace:
   from numba import types
   from numba.extending import intrinsic, overload
 
-  @intrinsic
-  def f32_from_bits(typingctx, x):  # pylint: disable=unused-argument
-    def codegen(context, builder, signature, args):
-      del signature
-      return builder.bitcast(args[0], context.get_value_type(types.float32))
-    return types.float32(types.uint32), codegen
+  def bitcast(src, dst):
+    """An intrinsic that reads a ``src`` scalar's bits as a ``dst``."""
+    @intrinsic
+    def cast(typingctx, x):  # pylint: disable=unused-argument
+      def codegen(context, builder, signature, args):
+        del signature
+        return builder.bitcast(args[0], context.get_value_type(dst))
+      return dst(src), codegen
+    return cast
 
-  @intrinsic
-  def bits_from_f32(typingctx, x):  # pylint: disable=unused-argument
-    def codegen(context, builder, signature, args):
-      del signature
-      return builder.bitcast(args[0], context.get_value_type(types.uint32))
-    return types.uint32(types.float32), codegen
+  f32_from_bits = bitcast(types.uint32, types.float32)
+  bits_from_f32 = bitcast(types.float32, types.uint32)
 
   jit = functools.partial(numba.njit, cache=True)
 
@@ -174,13 +173,17 @@ def kernels() -> _types.SimpleNamespace:
 
   @par
   def adam(p, g, m, v, out, divisor, clip, norm, c, neg_lr, b1, b2, eps,
-           eps_root, wd, bc1, bc2):
+           eps_root, wd, bc1, bc2, l2):
     """optax.scale_by_adam, then add_decayed_weights (wd), then
-    scale_by_learning_rate; ``out`` empty: no compute copy."""
+    scale_by_learning_rate; ``out`` empty: no compute copy. ``l2``:
+    DeepSpeed's Adam without adam_w_mode, the decay added to the
+    gradient."""
     copy = out.shape[0] == p.shape[0]
     one = np.float32(1)
     for i in numba.prange(p.shape[0]):
       gi = grad(g, i, divisor, clip, norm, c)
+      if l2 != 0:
+        gi = gi + l2 * p[i]
       mi = (one - b1) * gi + b1 * m[i]
       vi = (one - b2) * (gi * gi) + b2 * v[i]
       m[i] = mi
@@ -189,14 +192,20 @@ def kernels() -> _types.SimpleNamespace:
               wd, neg_lr, copy)
 
   @par
-  def lion(p, g, m, out, divisor, clip, norm, c, neg_lr, b1, b2, wd):
-    """optax.scale_by_lion (hard), add_decayed_weights, the learning rate."""
+  def lion(p, g, m, out, divisor, clip, norm, c, neg_lr, b1, b2, wd,
+           down_at_zero):
+    """optax.scale_by_lion (hard), add_decayed_weights, the learning rate.
+    ``down_at_zero``: DeepSpeed's FusedLion, whose direction is -1 (not 0)
+    where the interpolation is 0."""
     copy = out.shape[0] == p.shape[0]
     one = np.float32(1)
     for i in numba.prange(p.shape[0]):
       gi = grad(g, i, divisor, clip, norm, c)
       mi = m[i]
-      u = np.float32(np.sign((one - b1) * gi + b1 * mi))
+      x = (one - b1) * gi + b1 * mi
+      u = np.float32(np.sign(x))
+      if down_at_zero and x <= 0:
+        u = -one
       m[i] = (one - b2) * gi + b2 * mi
       decayed(p, out, i, u, wd, neg_lr, copy)
 

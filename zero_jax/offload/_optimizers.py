@@ -17,6 +17,8 @@ import weakref
 
 import optax
 
+from zero_jax.config import FusedForm, fused_form
+
 
 class Kind(enum.Enum):
   """The fused kernel an optimizer's update runs."""
@@ -36,11 +38,14 @@ class HostRule:
     mask: optax's weight-decay ``mask`` (a tree of bools, or a function of
       the parameters that returns one; None: every leaf decays).
     nesterov: SGD's Nesterov momentum.
+    deepspeed: a DeepSpeed optimizer's form (``zj.initialize``'s FusedAdam
+      or FusedLion, ``zero_jax.config.fused_form``); None: optax's.
   """
 
   kind: Kind
   mask: Any = None
   nesterov: bool = False
+  deepspeed: FusedForm | None = None
 
 
 # tx.update -> its rule. Weak: a rule lives as long as its transformation.
@@ -49,11 +54,16 @@ _RULES: "weakref.WeakKeyDictionary[Callable, HostRule]" = (
 
 
 def rule_of(tx: optax.GradientTransformation) -> HostRule | None:
-  """The fused rule of ``tx``, if it was built here; else None."""
+  """The fused rule of ``tx``: built here, or DeepSpeed's FusedAdam (no
+  AMSGrad) or FusedLion built by ``zj.initialize``; else None."""
   try:
-    return _RULES.get(tx.update)
+    rule = _RULES.get(tx.update)
   except TypeError:  # (an update that takes no weak reference)
     return None
+  form = fused_form(tx)
+  if rule is None and form is not None:
+    rule = HostRule(Kind(form.kind), deepspeed=form)
+  return rule
 
 
 def _fused(tx: optax.GradientTransformation,

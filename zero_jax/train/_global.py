@@ -218,9 +218,8 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
 
   acc, (values, auxes) = jax.lax.scan(
       body, acc, (micro, weights, jnp.arange(split.steps)))
-  # (float32 whatever the host update takes: the micro-batches' sums are
-  # float32's, which a 16-bit copy would round where the device's update
-  # does not.)
-  g = into_layout(_accumulate.finish(acc, total), jnp.float32)
+  # (To the host update in its 16-bit dtype, ZeRO-Offload's 2 bytes a
+  # parameter: the micro-batches' float32 sum rounded once.)
+  g = into_layout(_accumulate.finish(acc, total))
   return (g, _accumulate.combine(weights, values),
           _accumulate.combine(weights, auxes))

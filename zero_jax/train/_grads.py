@@ -169,9 +169,13 @@ class _Sharded:
             _varying(z, self.axes))
 
   def finish(self, g: Any) -> Any:
-    return map_leaves(lambda lp, x: x if lp.sharded else
+    # (In the host update's 16-bit dtype where it takes one: a
+    # micro-batch's reduce-scatter is in it already; several micro-batches'
+    # float32 sum, or a replicated leaf's, is rounded once.)
+    out = self.placement.host_grad_dtype or jnp.float32
+    return map_leaves(lambda lp, x: x.astype(out) if lp.sharded else
                       materialize.psum_leaf(lp, x.astype(jnp.float32),
-                                            self.axes),
+                                            self.axes).astype(out),
                       self.plans, g)
 
 

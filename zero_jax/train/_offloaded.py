@@ -233,10 +233,15 @@ class OnHost:
     into, self._spare[0] = self._spare[0], None
     if into is not None and not self.host.fits(into, cd):
       into = None
+    # (The fused host optimizer runs in the background with delay_update:
+    # its kernels overlap the device's next step.)
+    background = ({"background": layout.config.delay_update} if self.fused
+                  else {})
     master, opt_state, copy, (loss_scale, more, at_min) = self.host.update(
         grads, state.params, state.opt_state,
         {"step": state.step, "loss_scale": state.loss_scale},
-        prepare=self._prepare(layout), compute_dtype=cd, into=into)
+        prepare=self._prepare(layout), compute_dtype=cd, into=into,
+        **background)
     metrics.update(more)
     lr = injected_learning_rate(opt_state)
     if lr is not None:
@@ -336,15 +341,46 @@ class OnHost:
   def to_device(self, tree, shardings):
     return self.host.to_device(tree, shardings)
 
+  def host_bytes(self, layout) -> int:
+    """Host RAM the fused host optimizer holds (``FusedUpdate.host_bytes``);
+    0 for the XLA:CPU program, whose state XLA allocates."""
+    pl = layout.placement
+    return self.host.host_bytes(pl.copy_dtype, pl.host_grad_dtype or
+                                np.float32) if self.fused else 0
+
+  def traffic(self, layout) -> tuple[int, int]:
+    """PCIe bytes per step, all devices together, (to the devices, to the
+    host): one copy of each gradient leaf in the dtype backward sends it in
+    (``Placement.host_grad_dtype``, else float32), and each device's part
+    of the new compute copy."""
+    pl = layout.placement
+    shapes = [lp.shape for lp in flat(layout.param_plan.leaves)]
+    grad = np.dtype(pl.host_grad_dtype or np.float32).itemsize
+    copy = np.dtype(pl.copy_dtype).itemsize
+    to_device = sum(len(s.device_set) * math.prod(s.shard_shape(shape))
+                    for s, shape in zip(jax.tree.leaves(
+                        layout.state_shardings.compute_params), shapes))
+    return copy * to_device, grad * sum(math.prod(x) for x in shapes)
+
   def describe(self, layout):
-    line = self.host.describe()
-    if not self.fused:
+    down, up = self.traffic(layout)
+    n = layout.mesh.size * sum(math.prod(lp.shape) for lp in flat(
+        layout.param_plan.leaves))
+    line = (f"{self.host.describe()}; per step {up / 2**20:,.1f} MiB of "
+            f"gradients to the host and {down / 2**20:,.1f} MiB of compute "
+            f"copy to the devices over PCIe ({(up + down) / n:.2f} bytes a "
+            "parameter and device)")
+    if self.fused:
+      line += (f"; {self.host_bytes(layout) / 2**30:,.2f} GiB of host RAM "
+               "(master and state, two compute copies, the gradients)")
+    else:
       line += (
           "; the update is one XLA:CPU program: " +
           ("the fused host optimizer runs in single-process runs only, "
            "so far" if offload.rule_of(layout.tx) is not None else
-           "tx was not built by zero_jax.offload's adamw, adam, lion, sgd "
-           "or adagrad, which the fused host optimizer runs"))
+           "the fused host optimizer runs zero_jax.offload's adamw, adam, "
+           "lion, sgd and adagrad, and zj.initialize's Adam, AdamW and "
+           "Lion, not this tx"))
     return [line]
 
 
