@@ -8,8 +8,8 @@ both offloads, and both with the update on the host (the fused host
 optimizer). The table gives the device peak of the step (argument +
 output + temp - alias), the init's, and the host memory (pinned: master,
 moments and, with offload, the gradients; with the update on the host also
-the host buffers of the fused optimizer: master, moments, two compute
-copies and the gradients); a model fits the GPU when both peaks are under
+the host buffers of the fused optimizer: master, moments, the compute
+copy and the gradients); a model fits the GPU when both peaks are under
 ``--limit`` GiB, and the host when its host memory is under
 ``--host-limit``::
 

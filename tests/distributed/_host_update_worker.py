@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import zero_jax as zj  # noqa: E402
 from tests import _models as m  # noqa: E402
 from tests.distributed._host_update_cases import (  # noqa: E402
-    CASES, SAVED, STEPS)
+    CASES, SAVED, STEPS, make_tx)
 
 # Each device's partners: the others of its process, shared out (a power
 # of two of them: 6 free for 2 devices gives 2 each).
@@ -65,7 +65,7 @@ def train(out_dir: str) -> None:
   me = jax.process_index()
   for name, (opt, per_process, fields) in CASES.items():
     mesh = zj.make_mesh(devices=mesh_devices(per_process))
-    engine = zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](), config(fields),
+    engine = zj.Engine(m.mlp_loss, make_tx(opt), config(fields),
                        mesh)
     state = engine.init(m.mlp_params())
     # Each device's shards on CPU devices of its own process, split among
@@ -81,6 +81,8 @@ def train(out_dir: str) -> None:
       # (A device's block of w2 divides between its 2 partners.)
       assert "host" in str(state.params["w2"].sharding.spec), name
     assert "in 2 processes" in engine.describe(), engine.describe()
+    assert ("numba) on" in engine.describe()) == (
+        opt.startswith("fused_")), engine.describe()
     losses = []
     for batch in m.mlp_batches(STEPS):
       state, metrics = engine.step(state,
@@ -92,7 +94,7 @@ def train(out_dir: str) -> None:
                **{f"param/{k}": np.asarray(v) for k, v in params.items()})
     if name in SAVED:
       # (Last: the state it steps from is donated.)
-      check_restore(name, engine, m.OPTIMIZERS[opt](), state, out_dir)
+      check_restore(name, engine, make_tx(opt), state, out_dir)
     print(f"process {me} {name} done", flush=True)
 
 

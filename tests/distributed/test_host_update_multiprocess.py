@@ -2,7 +2,8 @@
 each process updates the shards its own devices hold, equals one process
 and single-device optax (stages 0-3, bf16 and fp16 compute, clipping,
 accumulation, delay_update; the devices' own CPU devices or others as the
-host's), and its checkpoints restore and export."""
+host's; the XLA:CPU program and the fused host optimizer), and its
+checkpoints restore and export."""
 
 import functools
 import os
@@ -16,7 +17,8 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from tests.distributed._host_update_cases import CASES, SAVED, STEPS
+from tests.distributed._host_update_cases import (CASES, SAVED, STEPS,
+                                                  make_tx)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -25,7 +27,7 @@ SCRIPT = os.path.join(ROOT, "tests", "distributed",
 # Tolerance against single-device optax: fp32 cases only (16-bit compute
 # rounds the forward; delay_update applies each gradient one update late).
 TOL = {"stage0": 1e-5, "stage1": 1e-5, "stage2_accum": 1e-5,
-       "stage3_clip": 1e-5}
+       "stage3_clip": 1e-5, "fused_stage0": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def _engine(name):
   process of the 2 are 4 or 8 devices here, with the host's update split
   over the other 4 (or all 8) CPU devices."""
   opt, per_process, fields = CASES[name]
-  return zj.Engine(m.mlp_loss, m.OPTIMIZERS[opt](), zj.ZeroConfig(
+  return zj.Engine(m.mlp_loss, make_tx(opt), zj.ZeroConfig(
       offload_optimizer="host", update_on="host", min_shard_elements=0,
       **fields), zj.make_mesh(num_devices=2 * per_process))
 
@@ -86,7 +88,7 @@ def test_two_processes_match_one(two_processes, name):
     # fp32's by 14% without offload too, and delay_update applies each
     # gradient one update late: test_offload checks both against the
     # update on the device.)
-    tx = m.OPTIMIZERS[opt]()
+    tx = make_tx(opt)
     if "clip_grad_norm" in fields:
       tx = optax.chain(optax.clip_by_global_norm(fields["clip_grad_norm"]),
                        tx)

@@ -42,7 +42,6 @@ import weakref
 
 from etils import epath
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from zero_jax import _last_checkpoint, offload
@@ -264,7 +263,7 @@ class Checkpointer:
           "orbax's CheckpointManager declined to save this step"),
           "was not started")
     self._pending = (step, current_operation_id(), sums)
-    if any(isinstance(x, np.ndarray) for x in jax.tree.leaves(state)):
+    if offload.in_place(state):
       self._finish()  # (host buffers the next update overwrites in place)
     return True
 

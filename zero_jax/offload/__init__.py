@@ -9,10 +9,12 @@ the shards its own devices hold. ``FusedUpdate`` runs the optimizers built
 by ``adamw``, ``adam``, ``lion``, ``sgd`` and ``adagrad`` (optax's own,
 remembered with their rule) as one fused multi-threaded pass over host
 buffers that zero_jax owns, the 16-bit compute copy written in the same
-pass.
+pass; ``MirroredFused`` does so in a multi-process run, each process on
+the shards its own devices hold.
 """
 
-from zero_jax.offload._fused import FusedUpdate, settle
+from zero_jax.offload._fused import FusedUpdate, in_place, settle
+from zero_jax.offload._shards import MirroredFused
 from zero_jax.offload._kernels import NOTHING, as_kernel_array, kernels
 from zero_jax.offload._host import HostUpdate, MirroredUpdate, host_devices
 from zero_jax.offload._optimizers import (HostRule, Kind, adagrad, adam,
@@ -25,6 +27,7 @@ __all__ = [
     "HostRule",
     "HostUpdate",
     "Kind",
+    "MirroredFused",
     "NOTHING",
     "MirroredUpdate",
     "Report",
@@ -37,6 +40,7 @@ __all__ = [
     "analyze",
     "as_kernel_array",
     "host_devices",
+    "in_place",
     "kernels",
     "lion",
     "rule_of",

@@ -50,6 +50,18 @@ _PAGE = 4096
 _PENDING: "weakref.WeakSet[FusedUpdate]" = weakref.WeakSet()
 
 
+# Every fused updater alive in this process (``in_place``).
+_ALL: "weakref.WeakSet[FusedUpdate]" = weakref.WeakSet()
+
+
+def in_place(tree: Any) -> bool:
+  """Whether ``tree`` (a train state) holds host state that a fused host
+  optimizer updates in place: what saves it must finish writing before
+  the next update."""
+  leaves = jax.tree.leaves(tree)
+  return any(u.owns(x) for u in list(_ALL) for x in leaves)
+
+
 def settle() -> None:
   """Waits for every fused host update running in the background in this
   process: what reads host state the engine updates in place (a
@@ -143,7 +155,9 @@ class FusedUpdate:
     self._worker: concurrent.futures.ThreadPoolExecutor | None = None
     self._pending: concurrent.futures.Future | None = None
     self._writing: int | None = None  # (the copy buffer it writes)
+    self._assembled: list[Any] = [None, None]  # (each copy as returned)
     self.compile_seconds: float | None = None
+    _ALL.add(self)
 
   # ------------------------------------------------------------ state
 
@@ -158,6 +172,46 @@ class FusedUpdate:
   def live(self, x: Any) -> bool:
     """Whether ``x`` is a view of the state this updater returned last."""
     return self._live.get(id(x)) is x
+
+  def owns(self, x: Any) -> bool:
+    """Whether ``x`` is host state this updater writes in place."""
+    return self.live(x)
+
+  # The state as blocks: per leaf, the arrays this process updates (one
+  # here: the leaf; ``MirroredFused``: its devices' shards).
+
+  def _blocks(self, tree: Any) -> list[list[np.ndarray]]:
+    """Per leaf of host state ``tree``, its writable blocks."""
+    return [[x] for x in jax.tree.leaves(tree)]
+
+  def _grad_blocks(self, grads: Any) -> list[list[np.ndarray]]:
+    """Per gradient leaf, the contiguous blocks matching the master's."""
+    return [[np.ascontiguousarray(np.asarray(x))]
+            for x in jax.tree.leaves(grads)]
+
+  def _counted(self, j: int, b: int) -> bool:
+    """Whether block ``b`` of leaf ``j`` counts in the norm (once each)."""
+    del j, b
+    return True
+
+  def _total(self, sumsq: float) -> float:
+    """The norm's sum of squares over every process's blocks."""
+    return sumsq
+
+  def _block_shapes(self) -> list[list[tuple]]:
+    """Per master leaf, its blocks' shapes."""
+    return [[tuple(x.shape)] for x in jax.tree.leaves(self.master_shapes)]
+
+  def _assemble(self, blocks: list[list[np.ndarray]]) -> Any:
+    """A compute copy's blocks as the tree ``to_device`` takes."""
+    return jax.tree.unflatten(jax.tree.structure(self.master_shapes),
+                              [b[0] for b in blocks])
+
+  @staticmethod
+  def _local(tree: Any) -> Any:
+    """Small arrays (replicated, any devices) as this process's copy."""
+    return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(
+        x, jax.Array) else x, tree)
 
   def _publish(self, master: Any, opt_state: Any) -> tuple[Any, Any]:
     # New views of the same buffers: the live ones from now on.
@@ -191,31 +245,42 @@ class FusedUpdate:
     buffer is not written again until this copy is done. (Waits for a
     background update unless ``tree`` is a compute copy it is not
     writing.)"""
-    leaves = jax.tree.leaves(tree)
-    copy = [i for i, bufs in enumerate(self._copies)
-            if bufs is not None and leaves and leaves[0] is bufs[0]]
+    copy = [i for i, t in enumerate(self._assembled) if t is tree]
     if not copy or copy[0] == self._writing:
       self.wait()
     if any(d.platform == "cpu" for s in jax.tree.leaves(shardings)
            for d in s.device_set):
       # JAX's CPU devices take an aligned numpy array as their buffer
       # (may_alias=False or not): give them one that nothing writes.
-      tree = jax.tree.map(np.array, tree)
-    out = jax.device_put(tree, shardings, may_alias=False)
+      tree = jax.tree.map(self._detached, tree)
+    out = self._put(tree, shardings)
     for i in copy:
       self._sent[i] = out
+    if not copy:
+      jax.block_until_ready(out)  # (the master: the next update writes it)
     return out
 
-  def host_bytes(self, copy_dtype: Any, grad_dtype: Any) -> int:
-    """Host RAM the update holds: master and optimizer state, two compute
-    copies (one being sent while the next is written), and the gradients
-    as they arrive."""
+  @staticmethod
+  def _detached(x: Any) -> Any:
+    """A copy of ``x`` that shares no buffer with it."""
+    return np.array(x)
+
+  def _put(self, tree: Any, shardings: Any) -> Any:
+    """``tree`` (host state) moved to ``shardings`` on the mesh."""
+    return jax.device_put(tree, shardings, may_alias=False)
+
+  def host_bytes(self, copy_dtype: Any, grad_dtype: Any,
+                 background: bool = False) -> int:
+    """Host RAM the update holds: master and optimizer state, the compute
+    copy (two in the background: one being sent while the next is
+    written), and the gradients as they arrive."""
     state = sum(x.size * np.dtype(x.dtype).itemsize for x in
                 jax.tree.leaves((self.master_shapes, self.opt_shapes)))
     n = sum(x.size for x in jax.tree.leaves(self.master_shapes))
-    copies = 0 if np.dtype(copy_dtype) == np.float32 else 2 * n * np.dtype(
-        copy_dtype).itemsize
-    return state + copies + n * np.dtype(grad_dtype).itemsize
+    copies = (2 if background else
+              0 if np.dtype(copy_dtype) == np.float32 else 1)
+    return (state + copies * n * np.dtype(copy_dtype).itemsize +
+            n * np.dtype(grad_dtype).itemsize)
 
   def describe(self) -> str:
     """One line for ``Engine.describe()``."""
@@ -271,24 +336,34 @@ class FusedUpdate:
     self._sent = [None, None]
     if jnp.dtype(dtype) == jnp.float32 and not separate:
       return -1, None
-    i, self._turn = self._turn, 1 - self._turn
+    # (Two in turn in the background, where the next step reads one while
+    # the next update writes the other; else one.)
+    i = self._turn
+    if separate:
+      self._turn = 1 - self._turn
     bufs = self._copies[i]
-    if bufs is None or bufs[0].dtype != jnp.dtype(dtype):
-      bufs = [aligned(x.shape, dtype) for x in
-              jax.tree.leaves(self.master_shapes)]
+    if bufs is None or bufs[0][0].dtype != jnp.dtype(dtype):
+      bufs = [[aligned(shape, dtype) for shape in shapes]
+              for shapes in self._block_shapes()]
       self._copies[i] = bufs
     return i, bufs
+
+  def _copy_tree(self, i: int, bufs: list[list[np.ndarray]]) -> Any:
+    """Copy buffer ``i`` as the tree ``to_device`` is given."""
+    self._assembled[i] = self._assemble(bufs)
+    return self._assembled[i]
 
   def cast(self, master: Any, compute_dtype: Any) -> Any:
     """The compute copy of ``master`` in host memory."""
     self.wait()
-    _, bufs = self._copy_buffer(compute_dtype)
+    i, bufs = self._copy_buffer(compute_dtype)
     if bufs is None:
       return master
     k = _kernels.kernels()
-    for p, out in zip(jax.tree.leaves(master), bufs):
-      k.cast(p.reshape(-1), _kernels.as_kernel_array(out))
-    return jax.tree.unflatten(jax.tree.structure(master), bufs)
+    for ps, outs in zip(self._blocks(master), bufs):
+      for p, out in zip(ps, outs):
+        k.cast(p.reshape(-1), _kernels.as_kernel_array(out))
+    return self._copy_tree(i, bufs)
 
   def update(self, grads: Any, master: Any, opt_state: Any, extra: Any, *,
              prepare: Callable[..., tuple[Any, Any, Any]],
@@ -321,41 +396,46 @@ class FusedUpdate:
     self.wait()
     k = _kernels.kernels()
     start = time.perf_counter()
-    g = [_kernels.as_kernel_array(np.ascontiguousarray(np.asarray(x)))
-         for x in jax.tree.leaves(grads)]
-    sumsq = np.float32(sum(k.sumsq(x) for x in g))
+    g = [[_kernels.as_kernel_array(x) for x in blocks]
+         for blocks in self._grad_blocks(grads)]
+    sumsq = np.float32(self._total(sum(
+        k.sumsq(x) for j, blocks in enumerate(g) for b, x in enumerate(blocks)
+        if self._counted(j, b))))
     with jax.default_device(self.cpu):
       (divisor, clip, norm, c), finite, out = self._scalars_of(prepare)(
-          sumsq, jax.device_put(extra, self.cpu))
+          sumsq, jax.device_put(self._local(extra), self.cpu))
     if finite is not None and not bool(finite):
       # Skipped: master and state stay, the copy is cast afresh.
       master, opt_state = self._publish(master, opt_state)
       return master, opt_state, self.cast(master, compute_dtype), out
-    small = [x for x, big in zip(jax.tree.leaves(opt_state), self._big)
-             if not big]
+    opt_blocks = self._blocks(opt_state)
+    small = [b for b, big in zip(opt_blocks, self._big) if not big]
     with jax.default_device(self.cpu):
       stub_grads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                 self._stub_params)
-      new_small, coef = self._stub(small, stub_grads)
+      new_small, coef = self._stub([b[0] for b in small], stub_grads)
     coef = {name: np.float32(v) for name, v in coef.items()}
     scaling = (np.float32(divisor), bool(clip), np.float32(norm),
                np.float32(c))
     # (In the background the next step may read the last copy while this
     # one is written: a buffer of its own even in float32.)
     writing, bufs = self._copy_buffer(compute_dtype, separate=background)
-    state_leaves = jax.tree.leaves(opt_state)
-    per_leaf = _per_leaf_state(state_leaves, self._big,
-                               len(jax.tree.leaves(master)))
-    for x, v in zip(small, new_small):
-      x[...] = np.asarray(v)
+    master_blocks = self._blocks(master)
+    per_leaf = _per_leaf_state(
+        [b for b, big in zip(opt_blocks, self._big) if big],
+        len(master_blocks))
+    for blocks, v in zip(small, new_small):
+      for x in blocks:
+        x[...] = np.asarray(v)
 
     def kernels():
-      for j, (p, gj) in enumerate(zip(jax.tree.leaves(master), g)):
-        outj = (_kernels.NOTHING if bufs is None else
-                _kernels.as_kernel_array(bufs[j]))
-        self._run(k, p.reshape(-1), gj,
-                  [s.reshape(-1) for s in per_leaf[j]], outj, scaling, coef,
-                  self._decay[j])
+      for j, ps in enumerate(master_blocks):
+        for b, p in enumerate(ps):
+          out = (_kernels.NOTHING if bufs is None else
+                 _kernels.as_kernel_array(bufs[j][b]))
+          self._run(k, p.reshape(-1), g[j][b],
+                    [s[b].reshape(-1) for s in per_leaf[j]], out, scaling,
+                    coef, self._decay[j])
       if self.compile_seconds is None:
         self.compile_seconds = time.perf_counter() - start
 
@@ -369,8 +449,7 @@ class FusedUpdate:
     else:
       kernels()
     master, opt_state = self._publish(master, opt_state)
-    compute = master if bufs is None else jax.tree.unflatten(
-        jax.tree.structure(master), bufs)
+    compute = master if bufs is None else self._copy_tree(writing, bufs)
     return master, opt_state, compute, out
 
   def _scalars_of(self, prepare: Callable) -> Callable:
@@ -400,12 +479,10 @@ class FusedUpdate:
       k.adagrad(p, g, state[0], out, *scaling, neg_lr, coef["eps"])
 
 
-def _per_leaf_state(leaves: list, big: list[bool], n: int
-                    ) -> list[list[np.ndarray]]:
-  """Per master leaf, its optimizer-state arrays in tree order (the
-  moments are parameter-shaped trees one after the other: mu's n leaves,
-  then nu's)."""
-  arrays = [x for x, b in zip(leaves, big) if b]
+def _per_leaf_state(arrays: list, n: int) -> list[list[Any]]:
+  """Per master leaf, its parameter-shaped optimizer-state leaves in tree
+  order (the moments are parameter-shaped trees one after the other: mu's
+  n leaves, then nu's)."""
   assert len(arrays) % n == 0, (len(arrays), n)
   per = len(arrays) // n
   return [[arrays[t * n + j] for t in range(per)] for j in range(n)]

@@ -447,10 +447,10 @@ def _host_update(tx: optax.GradientTransformation, master: Any,
     return offload.FusedUpdate(tx, rule, master,
                                offload.host_devices(mesh)[0])
   if mirrored is not None:
-    spec = lambda s: s.spec
-    return offload.MirroredUpdate(tx, master, mesh,
-                                  *(jax.tree.map(spec, p.shardings)
-                                    for p in mirrored))
+    specs = [jax.tree.map(lambda s: s.spec, p.shardings) for p in mirrored]
+    if rule is not None:
+      return offload.MirroredFused(tx, rule, master, mesh, *specs)
+    return offload.MirroredUpdate(tx, master, mesh, *specs)
   host = offload.HostUpdate(tx, master, offload.host_devices(mesh))
   if host.k == 1 and (os.cpu_count() or 1) > 1:
     warnings.warn(

@@ -345,8 +345,9 @@ class OnHost:
     """Host RAM the fused host optimizer holds (``FusedUpdate.host_bytes``);
     0 for the XLA:CPU program, whose state XLA allocates."""
     pl = layout.placement
-    return self.host.host_bytes(pl.copy_dtype, pl.host_grad_dtype or
-                                np.float32) if self.fused else 0
+    return self.host.host_bytes(
+        pl.copy_dtype, pl.host_grad_dtype or np.float32,
+        layout.config.delay_update) if self.fused else 0
 
   def traffic(self, layout) -> tuple[int, int]:
     """PCIe bytes per step, all devices together, (to the devices, to the
@@ -372,15 +373,12 @@ class OnHost:
             "parameter and device)")
     if self.fused:
       line += (f"; {self.host_bytes(layout) / 2**30:,.2f} GiB of host RAM "
-               "(master and state, two compute copies, the gradients)")
+               "(master and state, the compute copy, the gradients)")
     else:
-      line += (
-          "; the update is one XLA:CPU program: " +
-          ("the fused host optimizer runs in single-process runs only, "
-           "so far" if offload.rule_of(layout.tx) is not None else
-           "the fused host optimizer runs zero_jax.offload's adamw, adam, "
-           "lion, sgd and adagrad, and zj.initialize's Adam, AdamW and "
-           "Lion, not this tx"))
+      line += ("; the update is one XLA:CPU program: the fused host "
+               "optimizer runs zero_jax.offload's adamw, adam, lion, sgd and "
+               "adagrad, and zj.initialize's Adam, AdamW and Lion, not this "
+               "tx")
     return [line]
 
 
