@@ -166,6 +166,9 @@ def run_one(run: Run) -> dict:
   params = _params_host(abstract)
   loss_fn = make_loss_fn(graphdef)
   tx = optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+  if (overrides or {}).get("update_on") == "host":
+    # The same AdamW, as the fused host optimizer runs it.
+    tx = zj.offload.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
   device = jax.devices()[0]
   rng = np.random.default_rng(0)
   batch = {"tokens": rng.integers(0, cfg.vocab_size,
@@ -238,6 +241,10 @@ def run_one(run: Run) -> dict:
                               .host_argument_size_in_bytes),
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
       "bytes_limit": stats.get("bytes_limit"),
+      # Where the host update's time went (the last step's phases).
+      "host_update": ([line for line in engine.describe().splitlines()
+                       if "over PCIe" in line] if overrides and
+                      overrides.get("update_on") == "host" else None),
   }
 
 

@@ -29,8 +29,10 @@ moves: 28 reading p, g, m, v and writing p, m, v; 30 with the bf16 copy):
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -91,7 +93,7 @@ def _fused_kernel(n: int, threads: int, reps: int, copy: bool) -> float:
   out = (offload.as_kernel_array(np.empty(n, ml_dtypes.bfloat16)) if copy
          else offload.NOTHING)
   f = np.float32
-  args = (p, g, m, v, out, f(1), False, f(1), f(1), f(-1e-3), f(0.9),
+  args = (p, g, m, v, out, f(1), f(1), f(1), f(-1e-3), f(0.9),
           f(0.999), f(1e-8), f(0), f(0.1), f(0.1), f(0.001), f(0))
   return _rate(lambda: k.adam(*args), n, reps)
 
@@ -124,6 +126,30 @@ def _fused(n: int, threads: int, reps: int) -> float:
         compute_dtype=jnp.bfloat16)
 
   return _rate(step, n, reps)
+
+
+def _compile(n: int, threads: int, reps: int) -> float:
+  """Seconds from importing the kernels to the end of their first AdamW
+  update with the bf16 copy, the norm and the cast (numba compiles them,
+  or loads them from its cache: ``NUMBA_CACHE_DIR``)."""
+  del n, reps
+  start = time.perf_counter()
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from zero_jax import offload  # pylint: disable=g-import-not-at-top
+
+  k = offload.kernels()
+  k.set_threads(threads)
+  f = np.float32
+  p, g, m, v = (np.ones(1024, np.float32) for _ in range(4))
+  out = offload.as_kernel_array(np.empty(1024, ml_dtypes.bfloat16))
+  k.adam(p, offload.as_kernel_array(g.astype(ml_dtypes.bfloat16)), m, v,
+         out, f(1), f(1), f(1), f(-1e-3), f(0.9), f(0.999), f(1e-8),
+         f(0), f(0.1), f(0.1), f(0.001), f(0))
+  k.sumsq(out)
+  k.cast(p, out)
+  return time.perf_counter() - start
 
 
 def _triad(n: int, threads: int, reps: int) -> float:
@@ -166,6 +192,7 @@ def main(argv=None):
   if args.worker:
     kind, count = args.worker.split(":")
     rate = {"xla": _xla, "fused": _fused, "triad": _triad, "torch": _torch,
+            "compile": _compile,
             "kernel": lambda n, t, r: _fused_kernel(n, t, r, False),
             "copy": lambda n, t, r: _fused_kernel(n, t, r, True)
             }[kind](args.params, int(count), args.reps)
@@ -178,8 +205,8 @@ def main(argv=None):
       filter(None, [root, os.environ.get("PYTHONPATH")])))
   threads = sorted({1, 2, cores})
   # (name, worker, cores used, bytes a parameter, torch's row to compare)
-  plan = [("STREAM triad (numba), GB/s", f"triad:{t}", t, None, None)
-          for t in threads]
+  plan = [(f"STREAM triad (numba), {t} thread(s)", f"triad:{t}", t, None,
+           None) for t in threads]
   for t in threads:
     plan += [
         (f"torch fused AdamW, {t} thread(s)", f"torch:{t}", t, 28, None),
@@ -202,6 +229,16 @@ def main(argv=None):
     rates[worker] = rate = json.loads(out.stdout.strip().splitlines()[-1])
     print(name, "skipped (no torch)" if rate is None else
           f"{rate / 1e9:.3f} G/s", flush=True)
+  # The kernels' first call: compiled into an empty cache, then loaded.
+  cache = tempfile.mkdtemp()
+  first = [json.loads(subprocess.run(
+      [sys.executable, __file__, "--worker", f"compile:{cores}"],
+      capture_output=True, text=True, check=True,
+      env=dict(env, NUMBA_CACHE_DIR=cache)).stdout.strip().splitlines()[-1])
+           for _ in range(2)]
+  shutil.rmtree(cache, ignore_errors=True)
+  print(f"first call: {first[0]:.1f} s compiling, {first[1]:.1f} s cached",
+        flush=True)
   lines = [f"AdamW update of {args.params:,} fp32 parameters on a "
            f"{cores}-core host (`python experiments/host_update_bench.py "
            f"--reps {args.reps}`), one run",
@@ -219,6 +256,9 @@ def main(argv=None):
              f"{rate / rates[versus]:.2f}")
     lines.append(f"| {name} | {rate / 1e9:.3f} | {rate / used / 1e9:.3f} | "
                  f"{rate * per / 1e9:.1f} | {ratio} |")
+  lines += ["", f"The kernels' first call (import, AdamW with the bf16 "
+            f"copy, the norm, the cast): {first[0]:.1f} s compiling into an "
+            f"empty cache, {first[1]:.1f} s loading from numba's cache."]
   text = "\n".join(lines) + "\n"
   print(text)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)

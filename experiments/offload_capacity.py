@@ -2,18 +2,21 @@
 ladder of steps compiled for the GPU (``zero_jax.analysis``; no GPU needed).
 
 For each GPT of the ladder (vocabulary 50304, sequence 1024, bf16 compute,
-fp32 AdamW, stage 3, remat full, ``--batch`` sequences) the train step and
-the init are compiled for one GPU with no offload, ``offload_optimizer``,
-both offloads, and both with the update on the host (the fused host
-optimizer). The table gives the device peak of the step (argument +
-output + temp - alias), the init's, and the host memory (pinned: master,
-moments and, with offload, the gradients; with the update on the host also
-the host buffers of the fused optimizer: master, moments, the compute
-copy and the gradients); a model fits the GPU when both peaks are under
-``--limit`` GiB, and the host when its host memory is under
+fp32 AdamW, stage 3, ``--remat`` (full; ``auto`` picks within
+``--limit``), ``--batch`` sequences) the train step and the init are
+compiled for one GPU with no offload, ``offload_optimizer``, both
+offloads, and optimizer offload and both with the update on the host (the
+fused host optimizer). The table gives the device peak of the step
+(argument + output + temp - alias), the init's, and the host memory
+(pinned: master, moments and, with offload, the gradients; with the update
+on the host also the host buffers of the fused optimizer: master, moments,
+the compute copy and the gradients); a model fits the GPU when both peaks
+are under ``--limit`` GiB, and the host when its host memory is under
 ``--host-limit``::
 
   PYTHONPATH=. python experiments/offload_capacity.py
+  PYTHONPATH=. python experiments/offload_capacity.py --sizes 6.7B,13B \\
+      --remat auto --out experiments/results/offload_capacity_auto_h100.md
   PYTHONPATH=. python experiments/offload_capacity.py --target h200 \\
       --limit 135 --out capacity.md
 """
@@ -41,6 +44,9 @@ MODES = [("no offload", {}),
                                 offload_params=True)),
          # ZeRO-Offload's split with the fused host optimizer: its host RAM
          # is the host buffers it holds plus the step's pinned memory.
+         ("offload_optimizer, update on host", dict(
+             offload_optimizer=True, update_on="host",
+             optimizer="fused_adamw")),
          ("both, update on host", dict(offload_optimizer=True,
                                        offload_params=True, update_on="host",
                                        optimizer="fused_adamw"))]
@@ -80,7 +86,10 @@ def main(argv=None):
       engine, c = compile_gpt(args.target, 1, 3, layers=layers,
                               hidden=hidden, heads=heads, vocab=50304,
                               seq_len=1024, micro_batch=args.batch,
-                              remat=args.remat, **kw)
+                              remat=args.remat, overrides={
+                                  # (remat="auto" picks within the limit)
+                                  "device_memory_bytes": int(
+                                      args.limit * GIB)}, **kw)
       _, shapes = gpt_shapes(layers=layers, hidden=hidden, heads=heads,
                               vocab=50304, seq_len=1024)
       step = c.memory.peak / GIB
@@ -99,7 +108,7 @@ def main(argv=None):
           largest[key] = (name, c.params)
       rows.append((name, c.params, mode, step, init, host, fits, with_host))
       print(f"{name:>5} {mode:<18} step {step:7.2f} GiB  init {init:7.2f} "
-            f"GiB  host {c.memory.host / GIB:7.2f} GiB  "
+            f"GiB  host {host:7.2f} GiB  "
             f"{'fits' if fits else 'does not fit'}  ({time.time() - t:.0f} s)",
             flush=True)
   lines = [f"Capacity on one {args.target} (compiled, limit {args.limit:g} "

@@ -56,6 +56,12 @@ def test_every_mode_trains_and_is_reported(tmp_path):
     assert torch["status"] == "ok" and torch["params"] == results[0]["params"]
   for r in results:
     assert r["status"] == "ok" and r["tokens_per_s"] > 0
+    # The update on the host runs the fused host optimizer and reports
+    # where its time went.
+    assert (r["host_update"] is not None) == ("update on host" in r["mode"])
+    if r["host_update"]:
+      assert "numba) on" in r["host_update"][0]
+      assert "the last update: gradients to the host" in r["host_update"][0]
     assert r["compiled_device_bytes"] > 0 and len(r["losses"]) == r["steps"]
     assert r["mfu"] is None  # no known peak on CPU
     assert r["attention"] == "auto" and r["loss_chunk"] == 16

@@ -42,9 +42,8 @@ import optax
 from jax.sharding import SingleDeviceSharding
 
 from zero_jax.offload import _kernels
+from zero_jax.offload._buffers import aligned, owned
 from zero_jax.offload._optimizers import HostRule, Kind
-
-_PAGE = 4096
 
 # The updaters whose kernels run in the background now (``settle``).
 _PENDING: "weakref.WeakSet[FusedUpdate]" = weakref.WeakSet()
@@ -68,24 +67,6 @@ def settle() -> None:
   checkpoint's save) calls it first."""
   for update in list(_PENDING):
     update.wait()
-
-
-def aligned(shape: tuple, dtype: Any) -> np.ndarray:
-  """An uninitialized array of ``shape`` and ``dtype`` whose data starts on
-  a page boundary (what O_DIRECT I/O and the kernels' vector loads want)."""
-  dtype = np.dtype(dtype)
-  n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  raw = np.empty(n + _PAGE, np.uint8)
-  start = -raw.ctypes.data % _PAGE
-  return raw[start:start + n].view(dtype).reshape(shape)
-
-
-def owned(x: Any, dtype: Any = None) -> np.ndarray:
-  """``x`` copied into an aligned array (in ``dtype``, default its own)."""
-  x = np.asarray(x)
-  out = aligned(x.shape, dtype or x.dtype)
-  np.copyto(out, x, casting="unsafe")
-  return out
 
 
 def _decays(rule: HostRule, master: Any) -> list[bool]:
@@ -157,6 +138,9 @@ class FusedUpdate:
     self._writing: int | None = None  # (the copy buffer it writes)
     self._assembled: list[Any] = [None, None]  # (each copy as returned)
     self.compile_seconds: float | None = None
+    # Seconds of the last update's phases (the update's own in the
+    # background: it overlaps the next step).
+    self.seconds: dict[str, float] = {}
     _ALL.add(self)
 
   # ------------------------------------------------------------ state
@@ -290,9 +274,12 @@ class FusedUpdate:
                 "s")
     what = self.rule.kind.value + (
         ", DeepSpeed's" if self.rule.deepspeed is not None else "")
+    last = ", ".join(f"{phase} {t * 1e3:,.1f} ms"
+                     for phase, t in self.seconds.items())
     return (f"fused host optimizer ({what}, numba) on "
             f"{k.max_threads} thread(s), master and state in host buffers; "
-            "one pass a step, the compute copy written in it" + compiled)
+            "one pass a step, the compute copy written in it" + compiled +
+            (f"; the last update: {last}" if last else ""))
 
   # ----------------------------------------------------------- update
 
@@ -395,12 +382,21 @@ class FusedUpdate:
     del into
     self.wait()
     k = _kernels.kernels()
-    start = time.perf_counter()
+    start = clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+      nonlocal clock
+      now = time.perf_counter()
+      self.seconds[phase] = now - clock
+      clock = now
+
     g = [[_kernels.as_kernel_array(x) for x in blocks]
          for blocks in self._grad_blocks(grads)]
+    lap("gradients to the host")
     sumsq = np.float32(self._total(sum(
         k.sumsq(x) for j, blocks in enumerate(g) for b, x in enumerate(blocks)
         if self._counted(j, b))))
+    lap("norm")
     with jax.default_device(self.cpu):
       (divisor, clip, norm, c), finite, out = self._scalars_of(prepare)(
           sumsq, jax.device_put(self._local(extra), self.cpu))
@@ -415,8 +411,9 @@ class FusedUpdate:
                                 self._stub_params)
       new_small, coef = self._stub([b[0] for b in small], stub_grads)
     coef = {name: np.float32(v) for name, v in coef.items()}
-    scaling = (np.float32(divisor), bool(clip), np.float32(norm),
-               np.float32(c))
+    scaling = ((np.float32(divisor), np.float32(norm), np.float32(c))
+               if bool(clip) else (np.float32(divisor), np.float32(1),
+                                   np.float32(1)))
     # (In the background the next step may read the last copy while this
     # one is written: a buffer of its own even in float32.)
     writing, bufs = self._copy_buffer(compute_dtype, separate=background)
@@ -427,6 +424,7 @@ class FusedUpdate:
     for blocks, v in zip(small, new_small):
       for x in blocks:
         x[...] = np.asarray(v)
+    lap("scalars")
 
     def kernels():
       for j, ps in enumerate(master_blocks):
@@ -436,6 +434,7 @@ class FusedUpdate:
           self._run(k, p.reshape(-1), g[j][b],
                     [s[b].reshape(-1) for s in per_leaf[j]], out, scaling,
                     coef, self._decay[j])
+      self.seconds["update"] = time.perf_counter() - clock
       if self.compile_seconds is None:
         self.compile_seconds = time.perf_counter() - start
 

@@ -129,7 +129,10 @@ def kernels() -> _types.SimpleNamespace:
 
   @overload(store, inline="always")
   def _store(out, i, x):
-    if out.dtype == types.uint16:
+    if out.dtype == types.boolean:  # (NOTHING: no compute copy)
+      def put(out, i, x):
+        pass
+    elif out.dtype == types.uint16:
       def put(out, i, x):
         out[i] = float_to_bf16(x)
     elif out.dtype == types.int16:
@@ -143,22 +146,19 @@ def kernels() -> _types.SimpleNamespace:
   par = functools.partial(jit, parallel=True, fastmath=_FAST)
 
   @jit(inline="always")
-  def grad(g, i, divisor, clip, norm, c):
-    # prepare's unscale and optax.clip_by_global_norm's formula.
-    x = widen(g[i]) / divisor
-    if clip:
-      x = x / norm * c
-    return x
+  def grad(g, i, divisor, norm, c):
+    # prepare's unscale and optax.clip_by_global_norm's formula (norm and c
+    # 1 when not clipping: exactly x, and no branch in the loop).
+    return widen(g[i]) / divisor / norm * c
 
   @jit(inline="always")
-  def decayed(p, out, i, u, wd, neg_lr, copy):
+  def decayed(p, out, i, u, wd, neg_lr):
     # add_decayed_weights, scale_by_learning_rate, optax.apply_updates;
     # then the compute copy.
     pi = p[i]
     x = pi + (u + wd * pi) * neg_lr
     p[i] = x
-    if copy:
-      store(out, i, x)
+    store(out, i, x)
 
   # (Reassociation lets the float64 sum vectorize: 4x faster on bf16.)
   @jit(parallel=True, fastmath={"reassoc", "contract"})
@@ -172,16 +172,15 @@ def kernels() -> _types.SimpleNamespace:
     return total
 
   @par
-  def adam(p, g, m, v, out, divisor, clip, norm, c, neg_lr, b1, b2, eps,
+  def adam(p, g, m, v, out, divisor, norm, c, neg_lr, b1, b2, eps,
            eps_root, wd, bc1, bc2, l2):
     """optax.scale_by_adam, then add_decayed_weights (wd), then
-    scale_by_learning_rate; ``out`` empty: no compute copy. ``l2``:
+    scale_by_learning_rate; ``out`` NOTHING: no compute copy. ``l2``:
     DeepSpeed's Adam without adam_w_mode, the decay added to the
     gradient."""
-    copy = out.shape[0] == p.shape[0]
     one = np.float32(1)
     for i in numba.prange(p.shape[0]):
-      gi = grad(g, i, divisor, clip, norm, c)
+      gi = grad(g, i, divisor, norm, c)
       if l2 != 0:
         gi = gi + l2 * p[i]
       mi = (one - b1) * gi + b1 * m[i]
@@ -189,58 +188,53 @@ def kernels() -> _types.SimpleNamespace:
       m[i] = mi
       v[i] = vi
       decayed(p, out, i, (mi / bc1) / (np.sqrt(vi / bc2 + eps_root) + eps),
-              wd, neg_lr, copy)
+              wd, neg_lr)
 
   @par
-  def lion(p, g, m, out, divisor, clip, norm, c, neg_lr, b1, b2, wd,
+  def lion(p, g, m, out, divisor, norm, c, neg_lr, b1, b2, wd,
            down_at_zero):
     """optax.scale_by_lion (hard), add_decayed_weights, the learning rate.
     ``down_at_zero``: DeepSpeed's FusedLion, whose direction is -1 (not 0)
     where the interpolation is 0."""
-    copy = out.shape[0] == p.shape[0]
     one = np.float32(1)
     for i in numba.prange(p.shape[0]):
-      gi = grad(g, i, divisor, clip, norm, c)
+      gi = grad(g, i, divisor, norm, c)
       mi = m[i]
       x = (one - b1) * gi + b1 * mi
       u = np.float32(np.sign(x))
       if down_at_zero and x <= 0:
         u = -one
       m[i] = (one - b2) * gi + b2 * mi
-      decayed(p, out, i, u, wd, neg_lr, copy)
+      decayed(p, out, i, u, wd, neg_lr)
 
   @par
-  def sgd(p, g, t, out, divisor, clip, norm, c, neg_lr, momentum, nesterov):
+  def sgd(p, g, t, out, divisor, norm, c, neg_lr, momentum, nesterov):
     """optax.sgd: optax.trace (``t`` empty: no momentum), the learning
     rate."""
-    copy = out.shape[0] == p.shape[0]
     trace = t.shape[0] == p.shape[0]
     for i in numba.prange(p.shape[0]):
-      u = grad(g, i, divisor, clip, norm, c)
+      u = grad(g, i, divisor, norm, c)
       if trace:
         ti = u + momentum * t[i]
         t[i] = ti
         u = u + momentum * ti if nesterov else ti
       x = p[i] + u * neg_lr
       p[i] = x
-      if copy:
-        store(out, i, x)
+      store(out, i, x)
 
   @par
-  def adagrad(p, g, s, out, divisor, clip, norm, c, neg_lr, eps):
+  def adagrad(p, g, s, out, divisor, norm, c, neg_lr, eps):
     """optax.scale_by_rss, the learning rate."""
-    copy = out.shape[0] == p.shape[0]
     zero = np.float32(0)
     one = np.float32(1)
     for i in numba.prange(p.shape[0]):
-      gi = grad(g, i, divisor, clip, norm, c)
+      gi = grad(g, i, divisor, norm, c)
       si = gi * gi + s[i]
       s[i] = si
       r = one / np.sqrt(si + eps) if si > zero else zero
       x = p[i] + (r * gi) * neg_lr
       p[i] = x
-      if copy:
-        store(out, i, x)
+      store(out, i, x)
 
   @par
   def cast(p, out):
@@ -265,5 +259,6 @@ def as_kernel_array(x: np.ndarray) -> np.ndarray:
   return x
 
 
-# What a kernel takes for an output it does not write.
-NOTHING = np.empty(0, np.float32)
+# What a kernel takes for an output it does not write (the compute copy,
+# SGD's trace): its dtype makes the kernel compile without the store.
+NOTHING = np.empty(0, np.bool_)

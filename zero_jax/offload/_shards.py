@@ -27,7 +27,8 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from zero_jax.offload._fused import FusedUpdate, owned
+from zero_jax.offload._buffers import owned
+from zero_jax.offload._fused import FusedUpdate
 from zero_jax.offload._host import MirroredUpdate
 from zero_jax.offload._optimizers import HostRule
 
