@@ -106,7 +106,8 @@ def main(argv=None):
       for key, ok in ((mode, fits), ((mode, "host"), with_host)):
         if ok:
           largest[key] = (name, c.params)
-      rows.append((name, c.params, mode, step, init, host, fits, with_host))
+      rows.append((name, c.params, mode, engine.remat.value, step, init,
+                   host, fits, with_host))
       print(f"{name:>5} {mode:<18} step {step:7.2f} GiB  init {init:7.2f} "
             f"GiB  host {host:7.2f} GiB  "
             f"{'fits' if fits else 'does not fit'}  ({time.time() - t:.0f} s)",
@@ -115,12 +116,13 @@ def main(argv=None):
            f"GiB): GPT, vocabulary 50304, sequence 1024, batch "
            f"{args.batch}, bf16, fp32 AdamW, stage 3, remat {args.remat}.",
            "",
-           "| GPT | params | offload | step peak GiB | init peak GiB | "
-           f"host GiB | fits the GPU | and host <= {args.host_limit:g} GiB |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| GPT | params | offload | remat | step peak GiB | init peak "
+           f"GiB | host GiB | fits the GPU | and host <= {args.host_limit:g} "
+           "GiB |", "|---|---|---|---|---|---|---|---|---|"]
   yes = lambda ok: "yes" if ok else "no"
-  for name, n, mode, step, init, host, fits, with_host in rows:
-    lines.append(f"| {name} | {n / 1e9:.2f}B | {mode} | {step:.2f} | "
+  for name, n, mode, remat, step, init, host, fits, with_host in rows:
+    lines.append(f"| {name} | {n / 1e9:.2f}B | {mode} | {remat} | "
+                 f"{step:.2f} | "
                  f"{init:.2f} | {host:.2f} | {yes(fits)} | "
                  f"{yes(with_host)} |")
   lines.append("")

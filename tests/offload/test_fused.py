@@ -214,7 +214,7 @@ def test_delay_update_runs_in_the_background_and_equals_optax(tmp_path,
     state, more = m.run_steps(engine, state, batches[2:])
     runs.append((losses + more, engine.gather_params(state)))
   host = engines[0].layout.update.host
-  assert host.fused and host._worker is not None  # pylint: disable=protected-access
+  assert host.fused and host.background_updates == STEPS
   m.assert_matches(*runs[0], *runs[1], tol=1e-6)
   with zj.Checkpointer(tmp_path / "0", read_only=True) as a, \
       zj.Checkpointer(tmp_path / "1", read_only=True) as b:

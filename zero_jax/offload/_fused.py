@@ -141,6 +141,7 @@ class FusedUpdate:
     # Seconds of the last update's phases (the update's own in the
     # background: it overlaps the next step).
     self.seconds: dict[str, float] = {}
+    self.background_updates = 0  # (updates run on the updater's thread)
     _ALL.add(self)
 
   # ------------------------------------------------------------ state
@@ -444,6 +445,7 @@ class FusedUpdate:
             1, thread_name_prefix="zero_jax-host-update")
       self._pending = self._worker.submit(kernels)
       self._writing = writing
+      self.background_updates += 1
       _PENDING.add(self)
     else:
       kernels()
