@@ -231,11 +231,22 @@ def test_delay_update_runs_in_the_background_and_equals_optax(tmp_path,
     ({"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1,
                                  "adam_w_mode": False,
                                  "bias_correction": False}}, None),
-    ({"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.1}}, None)])
+    ({"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.1}}, None),
+    ({"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9,
+                                "weight_decay": 0.01, "nesterov": True}},
+     None),
+    ({"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9,
+                                "dampening": 0.1}}, None),
+    ({"type": "SGD", "params": {"lr": 1e-2}}, None),
+    ({"type": "Adagrad", "params": {"lr": 1e-2, "lr_decay": 0.1,
+                                    "weight_decay": 0.01,
+                                    "initial_accumulator_value": 0.1}},
+     None)])
 def test_deepspeed_optimizers_run_fused(optimizer, scheduler):
-  # zj.initialize's FusedAdam (AdamW, Adam with L2, no bias correction) and
-  # FusedLion, with DeepSpeed's formulas and schedule, run on the fused
-  # host optimizer and equal the same transformation as an XLA:CPU program
+  # zj.initialize's FusedAdam (AdamW, Adam with L2, no bias correction),
+  # FusedLion, SGD (Nesterov with L2, dampening, none) and Adagrad, with
+  # DeepSpeed's and torch's formulas and schedule, run on the fused host
+  # optimizer and equal the same transformation as an XLA:CPU program
   # (wrapped in a chain of its own, which the fused optimizer does not
   # know).
   ds = lambda: zj.config.optimizer_from_deepspeed(optimizer, scheduler)

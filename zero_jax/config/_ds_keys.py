@@ -102,7 +102,8 @@ _PINNED = ("JAX places offloaded state in pinned host memory itself "
 _CPU_ADAM = (
     "tunes DeepSpeed's CPU Adam: where zero_jax updates offloaded state is "
     "ZeroConfig.update_on (\"device\" streams it through the device, "
-    "\"host\" runs the optax update on the host's CPU devices)")
+    "\"host\" runs it on the host: the fused host optimizer for the "
+    "config's optimizer, on all cores)")
 _TORCH_HOOKS = (
     "how DeepSpeed hooks PyTorch modules at stage 3: zero_jax gathers "
     "parameters per layer of scan_layers or per block (zero_jax.layers), "

@@ -65,13 +65,17 @@ class FusedForm:
   DeepSpeed optimizer built here.
 
   Attributes:
-    kind: ``"adam"`` (FusedAdam, no AMSGrad) or ``"lion"`` (FusedLion).
+    kind: ``"adam"`` (FusedAdam, no AMSGrad), ``"lion"`` (FusedLion),
+      ``"torch_sgd"`` or ``"torch_adagrad"`` (torch.optim's).
     weight_decay: the decay.
     decoupled: added to the update (AdamW, Lion); else to the gradient
       (Adam's L2).
     coefficients: of the number of updates applied before this one, this
-      update's ``b1``, ``b2`` and (Adam) ``eps``, ``bc1``, ``bc2``, computed
-      as the transformation computes them.
+      update's numbers, computed as the transformation computes them:
+      ``b1``, ``b2`` and (Adam) ``eps``, ``bc1``, ``bc2``; SGD's
+      ``momentum``, ``one_minus_damp``, ``first`` (1 at the first update:
+      the buffer starts as the gradient) and ``nesterov`` (1 or 0);
+      Adagrad's ``eps`` and ``decay`` (the step's lr_decay divisor).
   """
 
   kind: str
@@ -286,7 +290,14 @@ def scale_by_torch_sgd(momentum: float, dampening: float,
       out = jax.tree.map(lambda d, b: b.astype(d.dtype), grads, buf)
     return out, TorchSGDState(optax.safe_increment(state.count), buf)
 
-  return optax.GradientTransformation(init, update)
+  tx = optax.GradientTransformation(init, update)
+  _FORMS[tx.update] = FusedForm(
+      "torch_sgd", weight_decay, False,
+      lambda count: dict(momentum=jnp.float32(momentum),
+                         one_minus_damp=jnp.float32(1 - dampening),
+                         first=(count == 0).astype(jnp.float32),
+                         nesterov=jnp.float32(nesterov)))
+  return tx
 
 
 class TorchAdagradState(NamedTuple):
@@ -320,4 +331,9 @@ def scale_by_torch_adagrad(lr_decay: float, weight_decay: float,
         grads, total)
     return out, TorchAdagradState(optax.safe_increment(state.count), total)
 
-  return optax.GradientTransformation(init, update)
+  tx = optax.GradientTransformation(init, update)
+  _FORMS[tx.update] = FusedForm(
+      "torch_adagrad", weight_decay, False,
+      lambda count: dict(eps=jnp.float32(eps),
+                         decay=1 + as_real(count) * lr_decay))
+  return tx

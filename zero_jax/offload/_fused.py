@@ -476,8 +476,16 @@ class FusedUpdate:
       t = state[0] if state else _kernels.NOTHING
       k.sgd(p, g, t, out, *scaling, neg_lr,
             coef.get("momentum", np.float32(0)), self.rule.nesterov)
-    else:
+    elif kind is Kind.ADAGRAD:
       k.adagrad(p, g, state[0], out, *scaling, neg_lr, coef["eps"])
+    elif kind is Kind.TORCH_SGD:
+      k.torch_sgd(p, g, state[0] if state else _kernels.NOTHING, out,
+                  *scaling, neg_lr, coef["l2"], coef["momentum"],
+                  coef["one_minus_damp"], bool(coef["first"]),
+                  bool(coef["nesterov"]))
+    else:
+      k.torch_adagrad(p, g, state[0], out, *scaling, neg_lr, coef["l2"],
+                      coef["eps"], coef["decay"])
 
 
 def _per_leaf_state(arrays: list, n: int) -> list[list[Any]]:

@@ -237,13 +237,49 @@ def kernels() -> _types.SimpleNamespace:
       store(out, i, x)
 
   @par
+  def torch_sgd(p, g, buf, out, divisor, norm, c, neg_lr, l2, momentum,
+                one_minus_damp, first, nesterov):
+    """torch.optim.SGD (DeepSpeed's SGD): ``d = g + l2 p``; the buffer
+    starts as ``d`` (``first``), then ``momentum b + (1 - dampening) d``;
+    the update is ``d + momentum b`` (``nesterov``) or ``b``; ``buf``
+    NOTHING: no momentum."""
+    trace = buf.shape[0] == p.shape[0]
+    for i in numba.prange(p.shape[0]):
+      d = grad(g, i, divisor, norm, c)
+      if l2 != 0:
+        d = d + l2 * p[i]
+      u = d
+      if trace:
+        b = d if first else momentum * buf[i] + one_minus_damp * d
+        buf[i] = b
+        u = d + momentum * b if nesterov else b
+      x = p[i] + u * neg_lr
+      p[i] = x
+      store(out, i, x)
+
+  @par
+  def torch_adagrad(p, g, s, out, divisor, norm, c, neg_lr, l2, eps, decay):
+    """torch.optim.Adagrad (DeepSpeed's Adagrad): ``d = g + l2 p``; ``s +=
+    d^2``; the update ``d / (sqrt(s) + eps) / decay``."""
+    for i in numba.prange(p.shape[0]):
+      d = grad(g, i, divisor, norm, c)
+      if l2 != 0:
+        d = d + l2 * p[i]
+      si = s[i] + d * d
+      s[i] = si
+      x = p[i] + (d / (np.sqrt(si) + eps) / decay) * neg_lr
+      p[i] = x
+      store(out, i, x)
+
+  @par
   def cast(p, out):
     """The compute copy alone (after a restore, or a skipped step)."""
     for i in numba.prange(p.shape[0]):
       store(out, i, p[i])
 
   return _types.SimpleNamespace(sumsq=sumsq, adam=adam, lion=lion, sgd=sgd,
-                                adagrad=adagrad, cast=cast,
+                                adagrad=adagrad, torch_sgd=torch_sgd,
+                                torch_adagrad=torch_adagrad, cast=cast,
                                 set_threads=numba.set_num_threads,
                                 max_threads=numba.config.NUMBA_NUM_THREADS)
 

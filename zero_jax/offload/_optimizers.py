@@ -27,6 +27,10 @@ class Kind(enum.Enum):
   LION = "lion"
   SGD = "sgd"
   ADAGRAD = "adagrad"
+  # torch.optim's, which zj.initialize builds for DeepSpeed's SGD and
+  # Adagrad.
+  TORCH_SGD = "torch_sgd"
+  TORCH_ADAGRAD = "torch_adagrad"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +42,9 @@ class HostRule:
     mask: optax's weight-decay ``mask`` (a tree of bools, or a function of
       the parameters that returns one; None: every leaf decays).
     nesterov: SGD's Nesterov momentum.
-    deepspeed: a DeepSpeed optimizer's form (``zj.initialize``'s FusedAdam
-      or FusedLion, ``zero_jax.config.fused_form``); None: optax's.
+    deepspeed: a DeepSpeed optimizer's form (``zj.initialize``'s FusedAdam,
+      FusedLion, SGD or Adagrad: ``zero_jax.config.fused_form``); None:
+      optax's.
   """
 
   kind: Kind
@@ -55,7 +60,8 @@ _RULES: "weakref.WeakKeyDictionary[Callable, HostRule]" = (
 
 def rule_of(tx: optax.GradientTransformation) -> HostRule | None:
   """The fused rule of ``tx``: built here, or DeepSpeed's FusedAdam (no
-  AMSGrad) or FusedLion built by ``zj.initialize``; else None."""
+  AMSGrad), FusedLion, SGD or Adagrad built by ``zj.initialize``; else
+  None."""
   try:
     rule = _RULES.get(tx.update)
   except TypeError:  # (an update that takes no weak reference)

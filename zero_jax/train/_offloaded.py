@@ -377,8 +377,8 @@ class OnHost:
     else:
       line += ("; the update is one XLA:CPU program: the fused host "
                "optimizer runs zero_jax.offload's adamw, adam, lion, sgd and "
-               "adagrad, and zj.initialize's Adam, AdamW and Lion, not this "
-               "tx")
+               "adagrad, and zj.initialize's optimizers but Lamb and "
+               "AMSGrad, not this tx")
     return [line]
 
 
