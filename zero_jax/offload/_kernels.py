@@ -152,13 +152,25 @@ def kernels() -> _types.SimpleNamespace:
     return widen(g[i]) / divisor / norm * c
 
   @jit(inline="always")
-  def decayed(p, out, i, u, wd, neg_lr):
-    # add_decayed_weights, scale_by_learning_rate, optax.apply_updates;
-    # then the compute copy.
-    pi = p[i]
-    x = pi + (u + wd * pi) * neg_lr
+  def applied(p, out, i, u, neg_lr):
+    # scale_by_learning_rate, optax.apply_updates; then the compute copy.
+    x = p[i] + u * neg_lr
     p[i] = x
     store(out, i, x)
+
+  @jit(inline="always")
+  def decayed(p, out, i, u, wd, neg_lr):
+    # add_decayed_weights first.
+    applied(p, out, i, u + wd * p[i], neg_lr)
+
+  @jit(inline="always")
+  def l2_grad(g, p, i, divisor, norm, c, l2):
+    # The gradient with L2 decay added (DeepSpeed's Adam without
+    # adam_w_mode, torch's SGD and Adagrad).
+    d = grad(g, i, divisor, norm, c)
+    if l2 != 0:
+      d = d + l2 * p[i]
+    return d
 
   # (Reassociation lets the float64 sum vectorize: 4x faster on bf16.)
   @jit(parallel=True, fastmath={"reassoc", "contract"})
@@ -180,9 +192,7 @@ def kernels() -> _types.SimpleNamespace:
     gradient."""
     one = np.float32(1)
     for i in numba.prange(p.shape[0]):
-      gi = grad(g, i, divisor, norm, c)
-      if l2 != 0:
-        gi = gi + l2 * p[i]
+      gi = l2_grad(g, p, i, divisor, norm, c, l2)
       mi = (one - b1) * gi + b1 * m[i]
       vi = (one - b2) * (gi * gi) + b2 * v[i]
       m[i] = mi
@@ -218,9 +228,7 @@ def kernels() -> _types.SimpleNamespace:
         ti = u + momentum * t[i]
         t[i] = ti
         u = u + momentum * ti if nesterov else ti
-      x = p[i] + u * neg_lr
-      p[i] = x
-      store(out, i, x)
+      applied(p, out, i, u, neg_lr)
 
   @par
   def adagrad(p, g, s, out, divisor, norm, c, neg_lr, eps):
@@ -232,9 +240,7 @@ def kernels() -> _types.SimpleNamespace:
       si = gi * gi + s[i]
       s[i] = si
       r = one / np.sqrt(si + eps) if si > zero else zero
-      x = p[i] + (r * gi) * neg_lr
-      p[i] = x
-      store(out, i, x)
+      applied(p, out, i, r * gi, neg_lr)
 
   @par
   def torch_sgd(p, g, buf, out, divisor, norm, c, neg_lr, l2, momentum,
@@ -245,31 +251,23 @@ def kernels() -> _types.SimpleNamespace:
     NOTHING: no momentum."""
     trace = buf.shape[0] == p.shape[0]
     for i in numba.prange(p.shape[0]):
-      d = grad(g, i, divisor, norm, c)
-      if l2 != 0:
-        d = d + l2 * p[i]
+      d = l2_grad(g, p, i, divisor, norm, c, l2)
       u = d
       if trace:
         b = d if first else momentum * buf[i] + one_minus_damp * d
         buf[i] = b
         u = d + momentum * b if nesterov else b
-      x = p[i] + u * neg_lr
-      p[i] = x
-      store(out, i, x)
+      applied(p, out, i, u, neg_lr)
 
   @par
   def torch_adagrad(p, g, s, out, divisor, norm, c, neg_lr, l2, eps, decay):
     """torch.optim.Adagrad (DeepSpeed's Adagrad): ``d = g + l2 p``; ``s +=
     d^2``; the update ``d / (sqrt(s) + eps) / decay``."""
     for i in numba.prange(p.shape[0]):
-      d = grad(g, i, divisor, norm, c)
-      if l2 != 0:
-        d = d + l2 * p[i]
+      d = l2_grad(g, p, i, divisor, norm, c, l2)
       si = s[i] + d * d
       s[i] = si
-      x = p[i] + (d / (np.sqrt(si) + eps) / decay) * neg_lr
-      p[i] = x
-      store(out, i, x)
+      applied(p, out, i, d / (np.sqrt(si) + eps) / decay, neg_lr)
 
   @par
   def cast(p, out):
