@@ -353,12 +353,13 @@ class OnHost:
     """PCIe bytes per step, all devices together, (to the devices, to the
     host): one copy of each gradient leaf in the dtype backward sends it in
     (``Placement.host_grad_dtype``, else float32), and each device's part
-    of the new compute copy."""
+    of the new compute copy (with ``offload_params`` it goes to host
+    memory, from which forward and backward copy each layer in turn)."""
     pl = layout.placement
     shapes = [lp.shape for lp in flat(layout.param_plan.leaves)]
     grad = np.dtype(pl.host_grad_dtype or np.float32).itemsize
     copy = np.dtype(pl.copy_dtype).itemsize
-    to_device = sum(len(s.device_set) * math.prod(s.shard_shape(shape))
+    to_device = sum(s.mesh.size * math.prod(s.shard_shape(shape))
                     for s, shape in zip(jax.tree.leaves(
                         layout.state_shardings.compute_params), shapes))
     return copy * to_device, grad * sum(math.prod(x) for x in shapes)
