@@ -14,12 +14,12 @@ the shards its own devices hold.
 """
 
 from zero_jax.offload._fused import FusedUpdate, in_place, settle
-from zero_jax.offload._shards import MirroredFused
-from zero_jax.offload._kernels import NOTHING, as_kernel_array, kernels
 from zero_jax.offload._host import HostUpdate, MirroredUpdate, host_devices
+from zero_jax.offload._kernels import NOTHING, as_kernel_array, kernels
 from zero_jax.offload._optimizers import (HostRule, Kind, adagrad, adam,
                                           adamw, lion, rule_of, sgd)
 from zero_jax.offload._separable import Report, Tag, analyze
+from zero_jax.offload._shards import MirroredFused
 from zero_jax.offload._stream import SLICE_BYTES, Streamer
 
 __all__ = [
@@ -28,8 +28,8 @@ __all__ = [
     "HostUpdate",
     "Kind",
     "MirroredFused",
-    "NOTHING",
     "MirroredUpdate",
+    "NOTHING",
     "Report",
     "SLICE_BYTES",
     "Streamer",
