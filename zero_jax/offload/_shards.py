@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from zero_jax.offload._buffers import owned
@@ -135,6 +134,8 @@ class MirroredFused(FusedUpdate):
     return self._first[j][b]
 
   def _total(self, sumsq: float) -> float:
+    # pylint: disable-next=g-import-not-at-top
+    from jax.experimental import multihost_utils
     return float(np.sum(multihost_utils.process_allgather(
         np.array([sumsq], np.float64))))
 
