@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 import weakref
 
 import jax
@@ -43,7 +43,7 @@ from jax.sharding import SingleDeviceSharding
 
 from zero_jax.offload import _kernels
 from zero_jax.offload._buffers import aligned, owned
-from zero_jax.offload._optimizers import HostRule, Kind
+from zero_jax.offload._optimizers import HostRule, Kind, decays
 
 # The updaters whose kernels run in the background now (``settle``).
 _PENDING: "weakref.WeakSet[FusedUpdate]" = weakref.WeakSet()
@@ -67,24 +67,6 @@ def settle() -> None:
   checkpoint's save) calls it first."""
   for update in list(_PENDING):
     update.wait()
-
-
-def _decays(rule: HostRule, master: Any) -> list[bool]:
-  """Per master leaf, whether weight decay applies (optax's ``mask``)."""
-  n = len(jax.tree.leaves(master))
-  if rule.mask is None:
-    return [True] * n
-  tree = rule.mask(master) if callable(rule.mask) else rule.mask
-  leaves = jax.tree.leaves(tree)
-  if len(leaves) != n or not all(isinstance(b, (bool, np.bool_))
-                                 for b in leaves):
-    raise ValueError(
-        "the weight-decay mask of a fused host optimizer must be a tree of "
-        "Python bools with one per parameter leaf (or a function of the "
-        f"parameters returning one); got {len(leaves)} leaves for {n} "
-        "parameters. Pass such a mask, or build the optimizer with optax "
-        "itself (it then runs as an XLA:CPU program)")
-  return [bool(b) for b in leaves]
 
 
 def _find(tree: Any, kind: type) -> Any:
@@ -119,7 +101,7 @@ class FusedUpdate:
     # (Where a checkpoint restores the state to, before it is adopted.)
     self.master_shardings = jax.tree.map(lambda _: on_cpu, master)
     self.opt_shardings = jax.tree.map(lambda _: on_cpu, self.opt_shapes)
-    self._decay = _decays(rule, master)
+    self._decay = decays(rule, master)
     # The stub: every parameter one element (of its rank, at least 1).
     self._stub_params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((1,) * max(len(x.shape), 1),
@@ -169,10 +151,16 @@ class FusedUpdate:
     """Per leaf of host state ``tree``, its writable blocks."""
     return [[x] for x in jax.tree.leaves(tree)]
 
-  def _grad_blocks(self, grads: Any) -> list[list[np.ndarray]]:
-    """Per gradient leaf, the contiguous blocks matching the master's."""
-    return [[np.ascontiguousarray(np.asarray(x))]
-            for x in jax.tree.leaves(grads)]
+  def _grad_blocks(self, grads: Any) -> Iterator[list[np.ndarray]]:
+    """Per gradient leaf in turn, the contiguous blocks matching the
+    master's (every leaf's copy to the host started first, so that each
+    leaf's norm overlaps the copies of the next)."""
+    leaves = jax.tree.leaves(grads)
+    for x in leaves:
+      if isinstance(x, jax.Array):
+        x.copy_to_host_async()
+    for x in leaves:
+      yield [np.ascontiguousarray(np.asarray(x))]
 
   def _counted(self, j: int, b: int) -> bool:
     """Whether block ``b`` of leaf ``j`` counts in the norm (once each)."""
@@ -391,13 +379,13 @@ class FusedUpdate:
       self.seconds[phase] = now - clock
       clock = now
 
-    g = [[_kernels.as_kernel_array(x) for x in blocks]
-         for blocks in self._grad_blocks(grads)]
-    lap("gradients to the host")
-    sumsq = np.float32(self._total(sum(
-        k.sumsq(x) for j, blocks in enumerate(g) for b, x in enumerate(blocks)
-        if self._counted(j, b))))
-    lap("norm")
+    g, total = [], 0.0
+    for j, blocks in enumerate(self._grad_blocks(grads)):
+      g.append([_kernels.as_kernel_array(x) for x in blocks])
+      total += sum(k.sumsq(x) for b, x in enumerate(g[-1])
+                   if self._counted(j, b))
+    sumsq = np.float32(self._total(total))
+    lap("gradients to the host and their norm")
     with jax.default_device(self.cpu):
       (divisor, clip, norm, c), finite, out = self._scalars_of(prepare)(
           sumsq, jax.device_put(self._local(extra), self.cpu))

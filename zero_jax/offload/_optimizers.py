@@ -15,6 +15,8 @@ import enum
 from typing import Any, Callable
 import weakref
 
+import jax
+import numpy as np
 import optax
 
 from zero_jax.config import FusedForm, fused_form
@@ -70,6 +72,24 @@ def rule_of(tx: optax.GradientTransformation) -> HostRule | None:
   if rule is None and form is not None:
     rule = HostRule(Kind(form.kind), deepspeed=form)
   return rule
+
+
+def decays(rule: HostRule, master: Any) -> list[bool]:
+  """Per master leaf, whether weight decay applies (optax's ``mask``)."""
+  n = len(jax.tree.leaves(master))
+  if rule.mask is None:
+    return [True] * n
+  tree = rule.mask(master) if callable(rule.mask) else rule.mask
+  leaves = jax.tree.leaves(tree)
+  if len(leaves) != n or not all(isinstance(b, (bool, np.bool_))
+                                 for b in leaves):
+    raise ValueError(
+        "the weight-decay mask of a fused host optimizer must be a tree of "
+        "Python bools with one per parameter leaf (or a function of the "
+        f"parameters returning one); got {len(leaves)} leaves for {n} "
+        "parameters. Pass such a mask, or build the optimizer with optax "
+        "itself (it then runs as an XLA:CPU program)")
+  return [bool(b) for b in leaves]
 
 
 def _fused(tx: optax.GradientTransformation,

@@ -19,7 +19,7 @@ replicas are skipped) across processes; everything else is local.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -113,22 +113,27 @@ class MirroredFused(FusedUpdate):
       out.append(self._owned[id(x)][1])
     return out
 
-  def _grad_blocks(self, grads: Any) -> list[list[np.ndarray]]:
-    out = []
-    for g, m in zip(jax.tree.leaves(grads),
-                    jax.tree.leaves(self.master_shardings)):
-      by_device = {s.device: s for s in g.addressable_shards}
+  def _grad_blocks(self, grads: Any) -> Iterator[list[np.ndarray]]:
+    leaves = jax.tree.leaves(grads)
+    # Each device's shard (index, data), its copy to the host started.
+    shards = [{s.device: (s.index, s.data) for s in g.addressable_shards}
+              for g in leaves]
+    for by_device in shards:
+      for _, data in by_device.values():
+        data.copy_to_host_async()
+    for g, m, by_device in zip(leaves, jax.tree.leaves(self.master_shardings),
+                               shards):
       whole = {}  # (each device's shard copied to the host once)
       blocks = []
       for h, index in m.addressable_devices_indices_map(g.shape).items():
-        src = by_device[self._device_of[h]]
-        if src.device not in whole:
-          whole[src.device] = np.asarray(src.data)
+        d = self._device_of[h]
+        src_index, data = by_device[d]
+        if d not in whole:
+          whole[d] = np.asarray(data)
         rel = tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(
-            _box(index, g.shape), _box(src.index, g.shape)))
-        blocks.append(np.ascontiguousarray(whole[src.device][rel]))
-      out.append(blocks)
-    return out
+            _box(index, g.shape), _box(src_index, g.shape)))
+        blocks.append(np.ascontiguousarray(whole[d][rel]))
+      yield blocks
 
   def _counted(self, j: int, b: int) -> bool:
     return self._first[j][b]
