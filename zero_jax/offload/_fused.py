@@ -221,8 +221,9 @@ class FusedUpdate:
     copy = [i for i, t in enumerate(self._assembled) if t is tree]
     if not copy or copy[0] == self._writing:
       self.wait()
-    if any(d.platform == "cpu" for s in jax.tree.leaves(shardings)
-           for d in s.device_set):
+    # (The tree's shardings are on one mesh: its first device tells.)
+    first = jax.tree.leaves(shardings)[0]
+    if next(iter(first.device_set)).platform == "cpu":
       # JAX's CPU devices take an aligned numpy array as their buffer
       # (may_alias=False or not): give them one that nothing writes.
       tree = jax.tree.map(self._detached, tree)
@@ -272,32 +273,31 @@ class FusedUpdate:
 
   # ----------------------------------------------------------- update
 
-  def _stub_update(self, small: list, stub_grads: Any):
-    """optax's update of the stub state: the scalar leaves after this
-    step, and the kernel's coefficients read from them."""
+  def _stub_update(self, small: list):
+    """optax's update of the stub state (zero gradients: only its scalars
+    are kept): the scalar leaves after this step, and the kernel's
+    coefficients read from them."""
     it = iter(small)
     leaves = [jnp.zeros(s.shape, s.dtype) if big else next(it)
               for s, big in zip(self._stub_shapes, self._big)]
     state = jax.tree.unflatten(jax.tree.structure(self.opt_shapes), leaves)
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                          self._stub_params)
-    _, new = self.tx.update(stub_grads, state, params)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         self._stub_params)
+    _, new = self.tx.update(zeros, state, zeros)
     form = self.rule.deepspeed
     if form is not None:
       # zj.initialize's chain: (DeepSpeed's direction, the injected rate).
       coef = {**form.coefficients(state[0].count),
               "learning_rate": new[1].hyperparams["learning_rate"],
               "weight_decay" if form.decoupled else "l2": form.weight_decay}
-      coef = {k: jnp.asarray(v, jnp.float32) for k, v in coef.items()}
-      return [x for x, big in zip(jax.tree.leaves(new), self._big)
-              if not big], coef
-    hp = new.hyperparams
-    coef = {k: jnp.asarray(v, jnp.float32) for k, v in hp.items()}
-    if self.rule.kind is Kind.ADAM:
-      count = _find(new, optax.ScaleByAdamState).count
-      # optax.tree.bias_correction's 1 - decay**count, as optax computes it.
-      coef["bc1"] = 1 - hp["b1"] ** count
-      coef["bc2"] = 1 - hp["b2"] ** count
+    else:
+      coef = dict(new.hyperparams)
+      if self.rule.kind is Kind.ADAM:
+        count = _find(new, optax.ScaleByAdamState).count
+        # optax.tree.bias_correction's 1 - decay**count, as optax does it.
+        coef["bc1"] = 1 - coef["b1"] ** count
+        coef["bc2"] = 1 - coef["b2"] ** count
+    coef = {k: jnp.asarray(v, jnp.float32) for k, v in coef.items()}
     return [x for x, big in zip(jax.tree.leaves(new), self._big)
             if not big], coef
 
@@ -396,9 +396,7 @@ class FusedUpdate:
     opt_blocks = self._blocks(opt_state)
     small = [b for b, big in zip(opt_blocks, self._big) if not big]
     with jax.default_device(self.cpu):
-      stub_grads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                self._stub_params)
-      new_small, coef = self._stub([b[0] for b in small], stub_grads)
+      new_small, coef = self._stub([b[0] for b in small])
     coef = {name: np.float32(v) for name, v in coef.items()}
     scaling = ((np.float32(divisor), np.float32(norm), np.float32(c))
                if bool(clip) else (np.float32(divisor), np.float32(1),

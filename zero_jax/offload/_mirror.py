@@ -105,7 +105,7 @@ def host_spec(spec: P, shape: tuple, mesh: Mesh, axis: str) -> P:
   return P(*entries)
 
 
-def _within(outer: tuple, inner: tuple, shape: tuple) -> tuple | None:
+def within(outer: tuple, inner: tuple, shape: tuple) -> tuple | None:
   """``inner``'s index relative to ``outer``'s block (None: the same
   block), or raises if ``outer`` does not contain it."""
   rel, same = [], True
@@ -139,7 +139,7 @@ def local_put(x: jax.Array, target: NamedSharding,
       raise ValueError(
           f"no shard of the array on {source(d)}, the partner of {d}: it is "
           "not laid out on the mesh the host update mirrors")
-    rel = _within(src.index, index, x.shape)
+    rel = within(src.index, index, x.shape)
     data = src.data if rel is None else src.data[rel]
     out.append(jax.device_put(
         data, SingleDeviceSharding(d, memory_kind=target.memory_kind),
@@ -158,7 +158,7 @@ def local_gather(x: jax.Array, target: NamedSharding,
     box = tuple(i.indices(n)[:2] for i, n in zip(index, x.shape))
     parts = []
     for s in mine:
-      rel = _within(index, s.index, x.shape)
+      rel = within(index, s.index, x.shape)
       if rel is None:
         parts = [(None, s)]  # one partner holds the whole shard
         break

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from zero_jax.offload import _mirror
 from zero_jax.offload._buffers import owned
 from zero_jax.offload._fused import FusedUpdate
 from zero_jax.offload._host import MirroredUpdate
@@ -130,9 +131,9 @@ class MirroredFused(FusedUpdate):
         src_index, data = by_device[d]
         if d not in whole:
           whole[d] = np.asarray(data)
-        rel = tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(
-            _box(index, g.shape), _box(src_index, g.shape)))
-        blocks.append(np.ascontiguousarray(whole[d][rel]))
+        rel = _mirror.within(src_index, index, g.shape)
+        blocks.append(np.ascontiguousarray(
+            whole[d] if rel is None else whole[d][rel]))
       yield blocks
 
   def _counted(self, j: int, b: int) -> bool:
