@@ -2,6 +2,10 @@
 optimizers): its casts bit for bit, its updates against optax, its host
 buffers through checkpoints, and the fallback it states."""
 
+import os
+import subprocess
+import sys
+
 import ml_dtypes
 import jax
 import numpy as np
@@ -11,7 +15,8 @@ import pytest
 import zero_jax as zj
 from tests import _models as m
 from zero_jax import analysis, offload
-from zero_jax.offload import _kernels
+from zero_jax.offload import _kernels, _loops
+from zero_jax.offload._buffers import aligned
 
 STEPS = 4
 CLIP = 0.5
@@ -60,6 +65,84 @@ def test_casts_and_widening_are_bit_exact():
         np.sum(finite.astype(np.float64) ** 2), rel=1e-12)
   assert not np.isfinite(k.sumsq(_kernels.as_kernel_array(
       np.array([1, np.nan], ml_dtypes.bfloat16))))
+
+
+def _kernel_calls():
+  k, f = _kernels.kernels(), np.float32
+  one = (f(2), f(1.5), f(0.5))  # (unscale, clip)
+  return {
+      "adam": lambda p, g, s, t, out: k.adam(
+          p, g, s, t, out, *one, f(-1e-2), f(0.9), f(0.999), f(1e-8), f(0),
+          f(0.1), f(0.1), f(0.001), f(0.01)),
+      "lion": lambda p, g, s, t, out: k.lion(
+          p, g, s, out, *one, f(-1e-3), f(0.9), f(0.99), f(0.1), True),
+      "sgd": lambda p, g, s, t, out: k.sgd(p, g, s, out, *one, f(-1e-2),
+                                           f(0.9), True),
+      "adagrad": lambda p, g, s, t, out: k.adagrad(p, g, s, out, *one,
+                                                   f(-1e-2), f(1e-7)),
+      "torch_sgd": lambda p, g, s, t, out: k.torch_sgd(
+          p, g, s, out, *one, f(-1e-2), f(0.01), f(0.9), f(0.9), False,
+          True),
+      "torch_adagrad": lambda p, g, s, t, out: k.torch_adagrad(
+          p, g, s, out, *one, f(-1e-2), f(0.01), f(1e-10), f(1.0)),
+  }
+
+
+@pytest.mark.parametrize("n", [1, _loops.BLOCK - 1, 3 * _loops.BLOCK + 5,
+                               40_000])
+def test_blocks_streamed_or_stored_write_the_same(n):
+  """Every kernel over a leaf of ``n`` elements writes the same master,
+  state and compute copy whether the copy streams past the cache a block
+  at a time (an aligned buffer), is stored directly (a buffer off 32
+  bytes), is not written, or runs on one thread; the copy is the new
+  master's cast."""
+  k = _kernels.kernels()
+  rng = np.random.default_rng(n)
+  start = [rng.standard_normal(n).astype(np.float32) for _ in range(2)] + [
+      np.abs(rng.standard_normal(n)).astype(np.float32) for _ in range(2)]
+  for name, call in _kernel_calls().items():
+    runs = []
+    for where in ("aligned", "off", "none", "one thread"):
+      p, g, s, t = (x.copy() for x in start)
+      out = (np.empty(n + 1, ml_dtypes.bfloat16)[1:] if where == "off"
+             else aligned((n,), ml_dtypes.bfloat16))
+      k.set_threads(1 if where == "one thread" else k.max_threads)
+      try:
+        call(p, g, s, t, _kernels.NOTHING if where == "none" else
+             _kernels.as_kernel_array(out))
+      finally:
+        k.set_threads(k.max_threads)
+      runs.append((p, s, t, None if where == "none" else out))
+      if runs[-1][3] is not None:
+        np.testing.assert_array_equal(
+            out.view(np.uint16), p.astype(ml_dtypes.bfloat16).view(np.uint16),
+            err_msg=f"{name} {where}")
+    changed = runs[0][0] != start[0]  # (every block, the short one too)
+    assert all(changed[i:i + _loops.BLOCK].any()
+               for i in range(0, n, _loops.BLOCK)), name
+    for run in runs[1:]:
+      for a, b in zip(runs[0], run):
+        if b is not None:
+          np.testing.assert_array_equal(a.view(np.uint16) if a.dtype.itemsize
+                                        == 2 else a, b.view(np.uint16) if
+                                        b.dtype.itemsize == 2 else b,
+                                        err_msg=name)
+
+
+def test_kernels_load_from_numba_cache_in_a_new_process(tmp_path):
+  """A second process finds the compiled kernels in numba's cache (a
+  kernel whose closure held numba's objects was never found again: every
+  process compiled it afresh and added a file)."""
+  code = ("import numpy as np\n"
+          "from zero_jax.offload import _kernels\n"
+          "k = _kernels.kernels()\n"
+          "k.cast(np.ones(300, np.float32), np.empty(300, np.uint16))\n"
+          "print(sum(k.update.stats.cache_hits.values()))")
+  env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+  hits = [int(subprocess.run([sys.executable, "-c", code], env=env,
+                             check=True, capture_output=True, text=True
+                             ).stdout.split()[-1]) for _ in range(2)]
+  assert hits == [0, 1]
 
 
 def _engine(tx, stage, dtype="float32", accum=None):
