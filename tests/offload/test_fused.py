@@ -232,32 +232,50 @@ def test_traffic_count_is_the_arrays_moved(monkeypatch, stage, accum, scope,
                                            reduce, grad_bytes):
   # The count describe() states against the bytes of the gradients that
   # reach the host update and of each device's part of the compute copy
-  # sent back: 16-bit both ways with bf16 compute, with accumulation too.
-  moved = {"up": [], "down": []}
-  update, to_device = offload.FusedUpdate.update, offload.FusedUpdate.to_device
+  # sent back: 16-bit both ways with bf16 compute, with accumulation too;
+  # each leaf's copy sent as soon as it is written.
+  # (Every copy to the device goes through FusedUpdate._send: the step's
+  # leaf by leaf as the update writes them.)
+  moved = {"up": [], "down": [], "order": []}
+  update, send = offload.FusedUpdate.update, offload.FusedUpdate._send
+  run = offload.FusedUpdate._run
+
+  def counted_run(self, *args):
+    moved["order"].append("update")
+    return run(self, *args)
 
   def counted_update(self, grads, *args, **kwargs):
     moved["up"].append(sum(x.nbytes for x in jax.tree.leaves(grads)))
     return update(self, grads, *args, **kwargs)
 
-  def counted_to_device(self, tree, shardings):
-    out = to_device(self, tree, shardings)
-    moved["down"].append(sum(s.data.nbytes for x in jax.tree.leaves(out)
-                             for s in x.addressable_shards))
+  def counted_send(self, tree, shardings):
+    out = send(self, tree, shardings)
+    if all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(out)):
+      # (A compute copy's, not the loss scale's.)
+      moved["down"].append(sum(s.data.nbytes for x in jax.tree.leaves(out)
+                               for s in x.addressable_shards))
+      moved["order"].append("send")
     return out
 
   monkeypatch.setattr(offload.FusedUpdate, "update", counted_update)
-  monkeypatch.setattr(offload.FusedUpdate, "to_device", counted_to_device)
+  monkeypatch.setattr(offload.FusedUpdate, "_send", counted_send)
+  monkeypatch.setattr(offload.FusedUpdate, "_run", counted_run)
   engine = zj.Engine(m.mlp_loss, offload.adamw(1e-2), zj.ZeroConfig(
       stage=stage, offload_optimizer="host", update_on="host",
       compute_dtype="bfloat16", grad_accum_steps=accum, loss_scope=scope,
       reduce_dtype=reduce, min_shard_elements=0 if stage != 1 else 2**20),
                      zj.make_mesh(num_devices=8))
-  m.run_steps(engine, engine.init(m.mlp_params()), m.mlp_batches(1))
+  state = engine.init(m.mlp_params())
+  moved["down"].clear()  # (the step's, not init's)
+  moved["order"].clear()
+  m.run_steps(engine, state, m.mlp_batches(1))
   down, up = engine.layout.update.traffic(engine.layout)
   n = analysis.param_count(m.mlp_params())
   assert moved["up"] == [up] and up == grad_bytes * n
-  assert moved["down"][-1] == down
+  # Each leaf's copy leaves as soon as its update has written it.
+  assert moved["order"] == ["update", "send"] * len(jax.tree.leaves(
+      m.mlp_params()))
+  assert sum(moved["down"]) == down
   assert f"{up / 2**20:,.1f} MiB of gradients" in engine.describe()
 
 

@@ -175,10 +175,17 @@ class FusedUpdate:
     """Per master leaf, its blocks' shapes."""
     return [[tuple(x.shape)] for x in jax.tree.leaves(self.master_shapes)]
 
+  def _leaf(self, j: int, blocks: list[np.ndarray]) -> Any:
+    """Leaf ``j`` of a compute copy from its blocks, as ``to_device``
+    takes it."""
+    del j
+    return blocks[0]
+
   def _assemble(self, blocks: list[list[np.ndarray]]) -> Any:
     """A compute copy's blocks as the tree ``to_device`` takes."""
     return jax.tree.unflatten(jax.tree.structure(self.master_shapes),
-                              [b[0] for b in blocks])
+                              [self._leaf(j, b) for j, b in
+                               enumerate(blocks)])
 
   @staticmethod
   def _local(tree: Any) -> Any:
@@ -221,18 +228,23 @@ class FusedUpdate:
     copy = [i for i, t in enumerate(self._assembled) if t is tree]
     if not copy or copy[0] == self._writing:
       self.wait()
+    out = self._send(tree, shardings)
+    for i in copy:
+      self._sent[i] = out
+    if not copy:
+      jax.block_until_ready(out)  # (the master: the next update writes it)
+    return out
+
+  def _send(self, tree: Any, shardings: Any) -> Any:
+    """``tree`` (host buffers) copied to ``shardings`` (started: JAX's
+    copies run asynchronously)."""
     # (The tree's shardings are on one mesh: its first device tells.)
     first = jax.tree.leaves(shardings)[0]
     if next(iter(first.device_set)).platform == "cpu":
       # JAX's CPU devices take an aligned numpy array as their buffer
       # (may_alias=False or not): give them one that nothing writes.
       tree = jax.tree.map(self._detached, tree)
-    out = self._put(tree, shardings)
-    for i in copy:
-      self._sent[i] = out
-    if not copy:
-      jax.block_until_ready(out)  # (the master: the next update writes it)
-    return out
+    return self._put(tree, shardings)
 
   @staticmethod
   def _detached(x: Any) -> Any:
@@ -343,8 +355,8 @@ class FusedUpdate:
 
   def update(self, grads: Any, master: Any, opt_state: Any, extra: Any, *,
              prepare: Callable[..., tuple[Any, Any, Any]],
-             compute_dtype: Any, into: Any = None, background: bool = False
-             ) -> tuple[Any, Any, Any, Any]:
+             compute_dtype: Any, into: Any = None, background: bool = False,
+             send: Any = None) -> tuple[Any, Any, Any, Any]:
     """One update, in place.
 
     Args:
@@ -363,12 +375,18 @@ class FusedUpdate:
         (``delay_update``: the host's update overlaps the device's next
         step). Whatever reads the state waits for them first (``wait``,
         ``settle``).
+      send: the compute copy's shardings (not with ``background``): each
+        leaf's copy starts for the device as soon as its kernel has
+        written it, so that the upload of one leaf overlaps the update of
+        the next; the compute copy returned is then the device's.
 
     Returns:
       ``(master, opt_state, compute, out)``: new views of the host state,
-      the compute copy (host arrays), and ``prepare``'s ``out``.
+      the compute copy (host arrays, or the device's with ``send``), and
+      ``prepare``'s ``out``.
     """
     del into
+    assert send is None or not background, "send or background, not both"
     self.wait()
     k = _kernels.kernels()
     start = clock = time.perf_counter()
@@ -392,7 +410,10 @@ class FusedUpdate:
     if finite is not None and not bool(finite):
       # Skipped: master and state stay, the copy is cast afresh.
       master, opt_state = self._publish(master, opt_state)
-      return master, opt_state, self.cast(master, compute_dtype), out
+      compute = self.cast(master, compute_dtype)
+      if send is not None:
+        compute = self.to_device(compute, send)
+      return master, opt_state, compute, out
     opt_blocks = self._blocks(opt_state)
     small = [b for b, big in zip(opt_blocks, self._big) if not big]
     with jax.default_device(self.cpu):
@@ -413,6 +434,11 @@ class FusedUpdate:
         x[...] = np.asarray(v)
     lap("scalars")
 
+    # (Each leaf's copy sent as soon as it is written: ``send``.)
+    targets = (None if send is None or bufs is None else
+               jax.tree.leaves(send))
+    sent = []
+
     def kernels():
       for j, ps in enumerate(master_blocks):
         for b, p in enumerate(ps):
@@ -421,6 +447,8 @@ class FusedUpdate:
           self._run(k, p.reshape(-1), g[j][b],
                     [s[b].reshape(-1) for s in per_leaf[j]], out, scaling,
                     coef, self._decay[j])
+        if targets is not None:
+          sent.append(self._send(self._leaf(j, bufs[j]), targets[j]))
       self.seconds["update"] = time.perf_counter() - clock
       if self.compile_seconds is None:
         self.compile_seconds = time.perf_counter() - start
@@ -437,6 +465,12 @@ class FusedUpdate:
       kernels()
     master, opt_state = self._publish(master, opt_state)
     compute = master if bufs is None else self._copy_tree(writing, bufs)
+    if targets is not None:
+      # (The next update writes this buffer once these copies are done.)
+      compute = self._sent[writing] = jax.tree.unflatten(
+          jax.tree.structure(send), sent)
+    elif send is not None:
+      compute = self.to_device(compute, send)  # (the master itself)
     return master, opt_state, compute, out
 
   def _scalars_of(self, prepare: Callable) -> Callable:

@@ -151,12 +151,9 @@ class MirroredFused(FusedUpdate):
             for x, m in zip(jax.tree.leaves(self.master_shapes),
                             jax.tree.leaves(self.master_shardings))]
 
-  def _assemble(self, blocks: list[list[np.ndarray]]) -> Any:
-    return jax.tree.unflatten(
-        jax.tree.structure(self.master_shapes),
-        [_wrap(b, x.shape, m) for b, x, m in zip(
-            blocks, jax.tree.leaves(self.master_shapes),
-            jax.tree.leaves(self.master_shardings))])
+  def _leaf(self, j: int, blocks: list[np.ndarray]) -> Any:
+    return _wrap(blocks, jax.tree.leaves(self.master_shapes)[j].shape,
+                 jax.tree.leaves(self.master_shardings)[j])
 
   def _own(self, pairs: list[tuple[Any, list[np.ndarray]]], tree: Any
            ) -> Any:

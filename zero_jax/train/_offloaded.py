@@ -234,14 +234,16 @@ class OnHost:
     if into is not None and not self.host.fits(into, cd):
       into = None
     # (The fused host optimizer runs in the background with delay_update:
-    # its kernels overlap the device's next step.)
-    background = ({"background": layout.config.delay_update} if self.fused
-                  else {})
+    # its kernels overlap the device's next step. Without it each leaf's
+    # compute copy goes up as soon as its kernel has written it.)
+    how = ({} if not self.fused else
+           {"background": True} if layout.config.delay_update else
+           {"send": sh.compute_params})
     master, opt_state, copy, (loss_scale, more, at_min) = self.host.update(
         grads, state.params, state.opt_state,
         {"step": state.step, "loss_scale": state.loss_scale},
         prepare=self._prepare(layout), compute_dtype=cd, into=into,
-        **background)
+        **how)
     metrics.update(more)
     lr = injected_learning_rate(opt_state)
     if lr is not None:
@@ -251,7 +253,9 @@ class OnHost:
     if loss_scale is not None:
       loss_scale = self.host.to_device(loss_scale, sh.loss_scale)
     to_device = lambda c: self.host.to_device(c, sh.compute_params)
-    if not layout.config.delay_update:
+    if "send" in how:
+      compute, sent = copy, None  # (on the device already)
+    elif not layout.config.delay_update:
       compute, sent = to_device(copy), copy
     else:
       # The next step reads the copy this step's update started from (made
