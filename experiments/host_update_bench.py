@@ -3,22 +3,26 @@ optimizer against torch's fused CPU AdamW and the memory's bandwidth.
 
 ZeRO-Offload's split keeps the fp32 master and Adam moments in host memory
 and updates them on the CPU, so the host's update rate bounds the step.
-This measures, in one run, at 1, 2 and all cores (each row in its own
-process), the rate of one AdamW update over ``--params`` fp32 parameters
+This measures, in one run, at 1, 2 and all cores, the rate of one AdamW
+update over ``--params`` fp32 parameters
 (parameters per second, per core, and GB/s at the bytes a parameter each
 moves: 28 reading p, g, m, v and writing p, m, v; 30 with the bf16 copy):
 
 - STREAM's triad, the memory bandwidth the update is bound by;
 - torch's fused CPU AdamW (``torch.optim.AdamW(fused=True)``, a
-  benchmark-only dependency: skipped if missing);
-- the fused kernel alone (``zero_jax.offload._kernels``), like for like
-  with torch (fp32 gradients, no norm), then with the bf16 compute copy
-  written in the same pass;
+  benchmark-only dependency: skipped if missing) and the fused kernel alone
+  (``zero_jax.offload.kernels()``), like for like with torch (fp32
+  gradients, no norm), then with the bf16 compute copy written in the same
+  pass: the three take turns in one process, so that each turn's ratio
+  sees the same memory bandwidth (a shared host's drifts by 2x);
 - the shipped update (``FusedUpdate.update``, what ``update_on="host"``
   runs with ``zero_jax.offload.adamw``): bf16 gradients as the device
   sends them, their norm, the step's scalars, the update and the copy;
 - the XLA:CPU program other optax chains run (``HostUpdate``), on one CPU
   device per core.
+
+Each of those in a process of its own, ``--rounds`` times in turn; medians
+are reported.
 
 ::
 
@@ -78,10 +82,13 @@ def _xla(n: int, devices: int, reps: int) -> float:
   return _rate(step, n, reps)
 
 
-def _fused_kernel(n: int, threads: int, reps: int, copy: bool) -> float:
-  """The fused AdamW kernel alone, like for like with torch's fused AdamW:
-  fp32 gradients, no norm; with ``copy`` the bf16 compute copy written in
-  the same pass."""
+def _versus(n: int, threads: int, reps: int) -> dict[str, list[float]]:
+  """torch's fused AdamW and the fused kernel alone, without and with the
+  bf16 compute copy written in the same pass, in one process, one update
+  of each in turn ``reps`` times: each rep's three rates see the same
+  machine (its memory bandwidth drifts with the host's other load). Like
+  for like with torch: fp32 gradients, no norm. No torch: the kernel's
+  rows alone."""
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -95,12 +102,30 @@ def _fused_kernel(n: int, threads: int, reps: int, copy: bool) -> float:
   # streams it past the cache only from 32-byte boundaries.)
   raw = np.empty(n + 16, ml_dtypes.bfloat16)
   start = -raw.ctypes.data % 32 // 2
-  out = (offload.as_kernel_array(raw[start:start + n]) if copy
-         else offload.NOTHING)
+  out = offload.as_kernel_array(raw[start:start + n])
   f = np.float32
-  args = (p, g, m, v, out, f(1), f(1), f(1), f(-1e-3), f(0.9),
-          f(0.999), f(1e-8), f(0), f(0.1), f(0.1), f(0.001), f(0))
-  return _rate(lambda: k.adam(*args), n, reps)
+  scalars = (f(1), f(1), f(1), f(-1e-3), f(0.9), f(0.999), f(1e-8), f(0),
+             f(0.1), f(0.1), f(0.001), f(0))
+  steps = {"kernel": lambda: k.adam(p, g, m, v, offload.NOTHING, *scalars),
+           "copy": lambda: k.adam(p, g, m, v, out, *scalars)}
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    torch.set_num_threads(threads)
+    tp = torch.ones(n)
+    tp.grad = torch.full((n,), 1e-3)
+    steps["torch"] = torch.optim.AdamW([tp], lr=1e-3, weight_decay=0.1,
+                                       fused=True).step
+  except ImportError:
+    pass
+  rates = {name: [] for name in steps}
+  for step in steps.values():
+    step()  # (compile, warm up)
+  for _ in range(reps):
+    for name, step in steps.items():
+      t = time.perf_counter()
+      step()
+      rates[name].append(n / (time.perf_counter() - t))
+  return rates
 
 
 def _fused(n: int, threads: int, reps: int) -> float:
@@ -173,18 +198,6 @@ def _triad(n: int, threads: int, reps: int) -> float:
   return _rate(lambda: triad(a, b, c, np.float32(3)), n, reps) * 12
 
 
-def _torch(n: int, threads: int, reps: int) -> float | None:
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  torch.set_num_threads(threads)
-  p = torch.ones(n)
-  p.grad = torch.full((n,), 1e-3)
-  opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True)
-  return _rate(opt.step, n, reps)
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--params", type=int, default=64 * 2 ** 20)
@@ -200,10 +213,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.worker:
     kind, count = args.worker.split(":")
-    rate = {"xla": _xla, "fused": _fused, "triad": _triad, "torch": _torch,
-            "compile": _compile,
-            "kernel": lambda n, t, r: _fused_kernel(n, t, r, False),
-            "copy": lambda n, t, r: _fused_kernel(n, t, r, True)
+    rate = {"xla": _xla, "fused": _fused, "triad": _triad,
+            "compile": _compile, "versus": _versus
             }[kind](args.params, int(count), args.reps)
     print(json.dumps(rate))
     return
@@ -213,33 +224,19 @@ def main(argv=None):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       filter(None, [root, os.environ.get("PYTHONPATH")])))
   threads = sorted({1, 2, cores})
-  # (name, worker, cores used, bytes a parameter, torch's row to compare)
-  plan = [(f"STREAM triad (numba), {t} thread(s)", f"triad:{t}", t, None,
-           None) for t in threads]
-  for t in threads:
-    plan += [
-        (f"torch fused AdamW, {t} thread(s)", f"torch:{t}", t, 28, None),
-        (f"fused AdamW kernel, {t} thread(s)", f"kernel:{t}", t, 28,
-         f"torch:{t}"),
-        (f"the same, bf16 copy in the pass, {t} thread(s)", f"copy:{t}", t,
-         30, f"torch:{t}"),
-        (f"shipped update (bf16 grads, norm, scalars, copy), {t} thread(s)",
-         f"fused:{t}", t, 30, f"torch:{t}")]
-  # One XLA:CPU device runs its computation on the process's whole thread
-  # pool: per core is over all the host's cores.
-  plan.append((f"XLA:CPU program (the fallback), {cores} CPU devices",
-               f"xla:{cores}", cores, 46, f"torch:{cores}"))
-  rates = {worker: [] for _, worker, *_ in plan}
+  workers = ([f"triad:{t}" for t in threads] +
+             [w for t in threads for w in (f"versus:{t}", f"fused:{t}")] +
+             [f"xla:{cores}"])
+  # Per worker, its result in each round.
+  got = {w: [] for w in workers}
   for r in range(args.rounds):
-    for name, worker, used, per, versus in plan:
+    for worker in workers:
       out = subprocess.run([sys.executable, __file__, "--worker", worker,
                             "--params", str(args.params), "--reps",
                             str(args.reps)], capture_output=True, text=True,
                            check=True, env=env)
-      rate = json.loads(out.stdout.strip().splitlines()[-1])
-      rates[worker].append(rate)
-      print(f"round {r + 1}: {name}", "skipped (no torch)" if rate is None
-            else f"{rate / 1e9:.3f} G/s", flush=True)
+      got[worker].append(json.loads(out.stdout.strip().splitlines()[-1]))
+      print(f"round {r + 1}: {worker} {got[worker][-1]}", flush=True)
   # The kernels' first call: compiled into an empty cache, then loaded.
   cache = tempfile.mkdtemp()
   first = [json.loads(subprocess.run(
@@ -250,26 +247,52 @@ def main(argv=None):
   shutil.rmtree(cache, ignore_errors=True)
   print(f"first call: {first[0]:.1f} s compiling, {first[1]:.1f} s cached",
         flush=True)
+  med = statistics.median
   lines = [f"AdamW update of {args.params:,} fp32 parameters on a "
            f"{cores}-core host (`python experiments/host_update_bench.py "
-           f"--reps {args.reps} --rounds {args.rounds}`): medians of "
-           f"{args.rounds} rounds, each row in its own process; the ratio "
-           "to torch is the median of each round's",
+           f"--reps {args.reps} --rounds {args.rounds}`): medians; torch "
+           "and the kernel alone take turns in one process, the ratio the "
+           "median of each turn's; the other rows each in a process of its "
+           "own, their ratio against the same round's torch",
            "", "| update | G params/s | per core | GB/s | / torch, same "
            "threads |", "|---|---|---|---|---|"]
-  for name, worker, used, per, versus in plan:
-    if None in rates[worker]:
-      lines.append(f"| {name} | skipped: torch not installed | | | |")
-      continue
-    rate = statistics.median(rates[worker])
-    if per is None:  # (the triad's rate is bytes)
-      lines.append(f"| {name} | | | {rate / 1e9:.2f} | |")
-      continue
-    ratio = ("" if versus is None or None in rates[versus] else
-             "%.2f" % statistics.median(
-                 a / b for a, b in zip(rates[worker], rates[versus])))
+
+  def row(name, rates, used, per, ratios):
+    rate = med(rates)
+    ratio = f"{med(ratios):.2f}" if ratios else ""
     lines.append(f"| {name} | {rate / 1e9:.3f} | {rate / used / 1e9:.3f} | "
                  f"{rate * per / 1e9:.1f} | {ratio} |")
+
+  for t in threads:
+    lines.append(f"| STREAM triad (numba), {t} thread(s) | | | "
+                 f"{med(got[f'triad:{t}']) / 1e9:.2f} | |")
+  for t in threads:
+    turns = got[f"versus:{t}"]
+    pool = lambda name: [x for turn in turns for x in turn.get(name, [])]
+    torch_of = [med(turn["torch"]) if "torch" in turn else None
+                for turn in turns]
+    versus = lambda name: ([a / b for turn in turns for a, b in zip(
+        turn[name], turn["torch"])] if None not in torch_of else [])
+    if None in torch_of:
+      lines.append(f"| torch fused AdamW, {t} thread(s) | skipped: torch "
+                   "not installed | | | |")
+    else:
+      row(f"torch fused AdamW, {t} thread(s)", pool("torch"), t, 28, [])
+    row(f"fused AdamW kernel, {t} thread(s)", pool("kernel"), t, 28,
+        versus("kernel"))
+    row(f"the same, bf16 copy in the pass, {t} thread(s)", pool("copy"), t,
+        30, versus("copy"))
+    shipped = got[f"fused:{t}"]
+    row(f"shipped update (bf16 grads, norm, scalars, copy), {t} thread(s)",
+        shipped, t, 30, [] if None in torch_of else
+        [a / b for a, b in zip(shipped, torch_of)])
+  # One XLA:CPU device runs its computation on the process's whole thread
+  # pool: per core is over all the host's cores.
+  torch_all = [med(turn["torch"]) for turn in got[f"versus:{cores}"]
+               if "torch" in turn]
+  row(f"XLA:CPU program (the fallback), {cores} CPU devices",
+      got[f"xla:{cores}"], cores, 46,
+      [a / b for a, b in zip(got[f"xla:{cores}"], torch_all)])
   lines += ["", f"The kernels' first call (import, AdamW with the bf16 "
             f"copy, the norm, the cast): {first[0]:.1f} s compiling into an "
             f"empty cache, {first[1]:.1f} s loading from numba's cache."]

@@ -440,6 +440,7 @@ class FusedUpdate:
     sent = []
 
     def kernels():
+      sending = 0.0
       for j, ps in enumerate(master_blocks):
         for b, p in enumerate(ps):
           out = (_kernels.NOTHING if bufs is None else
@@ -448,8 +449,12 @@ class FusedUpdate:
                     [s[b].reshape(-1) for s in per_leaf[j]], out, scaling,
                     coef, self._decay[j])
         if targets is not None:
+          begun = time.perf_counter()
           sent.append(self._send(self._leaf(j, bufs[j]), targets[j]))
-      self.seconds["update"] = time.perf_counter() - clock
+          sending += time.perf_counter() - begun
+      self.seconds["update"] = time.perf_counter() - clock - sending
+      if targets is not None:
+        self.seconds["starting the copies to the device"] = sending
       if self.compile_seconds is None:
         self.compile_seconds = time.perf_counter() - start
 
