@@ -485,32 +485,7 @@ class FusedUpdate:
 
   def _run(self, k, p, g, state, out, scaling, coef, decays) -> None:
     """One leaf's kernel."""
-    neg_lr = -coef["learning_rate"]
-    zero = np.float32(0)
-    wd = coef.get("weight_decay", zero) if decays else zero
-    kind = self.rule.kind
-    if kind is Kind.ADAM:
-      m, v = state
-      k.adam(p, g, m, v, out, *scaling, neg_lr, coef["b1"], coef["b2"],
-             coef["eps"], coef.get("eps_root", zero), wd, coef["bc1"],
-             coef["bc2"], coef.get("l2", zero))
-    elif kind is Kind.LION:
-      k.lion(p, g, state[0], out, *scaling, neg_lr, coef["b1"], coef["b2"],
-             wd, self.rule.deepspeed is not None)
-    elif kind is Kind.SGD:
-      t = state[0] if state else _kernels.NOTHING
-      k.sgd(p, g, t, out, *scaling, neg_lr,
-            coef.get("momentum", np.float32(0)), self.rule.nesterov)
-    elif kind is Kind.ADAGRAD:
-      k.adagrad(p, g, state[0], out, *scaling, neg_lr, coef["eps"])
-    elif kind is Kind.TORCH_SGD:
-      k.torch_sgd(p, g, state[0] if state else _kernels.NOTHING, out,
-                  *scaling, neg_lr, coef["l2"], coef["momentum"],
-                  coef["one_minus_damp"], bool(coef["first"]),
-                  bool(coef["nesterov"]))
-    else:
-      k.torch_adagrad(p, g, state[0], out, *scaling, neg_lr, coef["l2"],
-                      coef["eps"], coef["decay"])
+    _kernels.apply(k, self.rule, p, g, state, out, scaling, coef, decays)
 
 
 def _per_leaf_state(arrays: list, n: int) -> list[list[Any]]:

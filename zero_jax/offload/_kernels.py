@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import functools
 import types as _types
+from typing import Any
 
 import numpy as np
+
+from zero_jax.offload._optimizers import HostRule, Kind
 
 
 @functools.cache
@@ -49,6 +52,42 @@ def kernels() -> _types.SimpleNamespace:
       torch_sgd=_loops.torch_sgd, torch_adagrad=_loops.torch_adagrad,
       cast=_loops.cast, set_threads=_loops.numba.set_num_threads,
       max_threads=_loops.numba.config.NUMBA_NUM_THREADS)
+
+
+def apply(k: _types.SimpleNamespace, rule: HostRule, p: np.ndarray,
+          g: np.ndarray, state: list[np.ndarray], out: np.ndarray,
+          scaling: tuple, coef: dict[str, Any], decays: bool) -> None:
+  """One leaf's update by ``rule``'s kernel of ``k`` (``kernels()``):
+  master ``p``, gradient ``g``, the leaf's parameter-shaped state, the
+  compute copy ``out`` (NOTHING: none), the gradients' ``scaling``
+  (divisor, norm, clip), this step's coefficients, whether the leaf
+  decays."""
+  neg_lr = -coef["learning_rate"]
+  zero = np.float32(0)
+  wd = coef.get("weight_decay", zero) if decays else zero
+  kind = rule.kind
+  if kind is Kind.ADAM:
+    m, v = state
+    k.adam(p, g, m, v, out, *scaling, neg_lr, coef["b1"], coef["b2"],
+           coef["eps"], coef.get("eps_root", zero), wd, coef["bc1"],
+           coef["bc2"], coef.get("l2", zero))
+  elif kind is Kind.LION:
+    k.lion(p, g, state[0], out, *scaling, neg_lr, coef["b1"], coef["b2"],
+           wd, rule.deepspeed is not None)
+  elif kind is Kind.SGD:
+    t = state[0] if state else NOTHING
+    k.sgd(p, g, t, out, *scaling, neg_lr,
+          coef.get("momentum", np.float32(0)), rule.nesterov)
+  elif kind is Kind.ADAGRAD:
+    k.adagrad(p, g, state[0], out, *scaling, neg_lr, coef["eps"])
+  elif kind is Kind.TORCH_SGD:
+    k.torch_sgd(p, g, state[0] if state else NOTHING, out,
+                *scaling, neg_lr, coef["l2"], coef["momentum"],
+                coef["one_minus_damp"], bool(coef["first"]),
+                bool(coef["nesterov"]))
+  else:
+    k.torch_adagrad(p, g, state[0], out, *scaling, neg_lr, coef["l2"],
+                    coef["eps"], coef["decay"])
 
 
 def as_kernel_array(x: np.ndarray) -> np.ndarray:

@@ -246,11 +246,23 @@ def _flush(out, start, tmp, count, streamed):
 # the state and returns the new master. ``c``: the kernel's scalars.
 
 
+def scaled(x, divisor, norm, c):
+  del x, divisor, norm, c
+
+
+@overload(scaled, inline="always")
+def _scaled(x, divisor, norm, c):
+  """prepare's unscale and optax.clip_by_global_norm's formula; ``divisor``
+  None (no loss scale, no clipping: dividing by 1 is exact): ``x``, with
+  no division in the loop."""
+  if isinstance(divisor, types.NoneType):
+    return lambda x, divisor, norm, c: x
+  return lambda x, divisor, norm, c: x / divisor / norm * c
+
+
 @jit(inline="always")
 def grad(g, i, divisor, norm, c):
-  # prepare's unscale and optax.clip_by_global_norm's formula (norm and c
-  # 1 when not clipping: exactly x, and no branch in the loop).
-  return widen(g[i]) / divisor / norm * c
+  return scaled(widen(g[i]), divisor, norm, c)
 
 
 @jit(inline="always")
@@ -414,9 +426,13 @@ def update(kind, p, g, s1, s2, out, c, threads):
 
 
 def run(name, p, g, s1, s2, out, c):
-  """``update`` of the optimizer ``name`` on numba's threads."""
-  update(_KINDS[name], p, g, s1, s2, out, tuple(np.float32(x) for x in c),
-         numba.get_num_threads())
+  """``update`` of the optimizer ``name`` on numba's threads (``c``: the
+  scalars, the gradients' divisor, norm and clip first: all 1, the kernel
+  compiled without them)."""
+  c = tuple(np.float32(x) for x in c)
+  if c[:3] == (1, 1, 1):
+    c = (None, None, None) + c[3:]
+  update(_KINDS[name], p, g, s1, s2, out, c, numba.get_num_threads())
 
 
 def adam(p, g, m, v, out, *c):
