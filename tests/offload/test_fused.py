@@ -94,17 +94,20 @@ def test_blocks_streamed_or_stored_write_the_same(n):
   """Every kernel over a leaf of ``n`` elements writes the same master,
   state and compute copy whether the copy streams past the cache a block
   at a time (an aligned buffer), is stored directly (a buffer off 32
-  bytes), is not written, or runs on one thread; the copy is the new
-  master's cast."""
+  bytes, or every other element of one), is not written, or runs on one
+  thread; the copy is the new master's cast."""
   k = _kernels.kernels()
   rng = np.random.default_rng(n)
   start = [rng.standard_normal(n).astype(np.float32) for _ in range(2)] + [
       np.abs(rng.standard_normal(n)).astype(np.float32) for _ in range(2)]
   for name, call in _kernel_calls().items():
     runs = []
-    for where in ("aligned", "off", "none", "one thread"):
+    for where in ("aligned", "off", "strided", "none", "one thread"):
       p, g, s, t = (x.copy() for x in start)
+      whole = aligned((2 * n,), ml_dtypes.bfloat16)
+      whole[:] = 7
       out = (np.empty(n + 1, ml_dtypes.bfloat16)[1:] if where == "off"
+             else whole[::2] if where == "strided"
              else aligned((n,), ml_dtypes.bfloat16))
       k.set_threads(1 if where == "one thread" else k.max_threads)
       try:
@@ -113,6 +116,7 @@ def test_blocks_streamed_or_stored_write_the_same(n):
       finally:
         k.set_threads(k.max_threads)
       runs.append((p, s, t, None if where == "none" else out))
+      assert np.all(whole[1::2] == 7), name  # (nothing written between)
       if runs[-1][3] is not None:
         np.testing.assert_array_equal(
             out.view(np.uint16), p.astype(ml_dtypes.bfloat16).view(np.uint16),

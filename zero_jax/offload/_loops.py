@@ -175,11 +175,12 @@ def scratch(typingctx, out):  # pylint: disable=unused-argument
 
 @intrinsic
 def streams(typingctx, out):  # pylint: disable=unused-argument
-  """Whether ``out`` takes streamed blocks: a 16- or 32-bit copy whose
-  data starts on 32 bytes (so every block's does), on x86."""
+  """Whether ``out`` takes streamed blocks: a contiguous 16- or 32-bit copy
+  whose data starts on 32 bytes (so every block's does), on x86."""
   def codegen(context, builder, signature, args):
     del signature
-    if not (_X86 and getattr(out.dtype, "bitwidth", 0) in (16, 32)):
+    if not (_X86 and out.layout == "C" and
+            getattr(out.dtype, "bitwidth", 0) in (16, 32)):
       return cgutils.false_bit
     data = context.make_array(out)(context, builder, args[0]).data
     low = builder.and_(builder.ptrtoint(data, ir.IntType(64)),
