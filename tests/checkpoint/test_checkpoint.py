@@ -118,6 +118,23 @@ def test_restore_only_needs_shapes(saved):
   _assert_uninterrupted(losses, engine.gather_params(state), saved)
 
 
+def test_a_closed_checkpointer_says_it_is_closed(saved, tmp_path):
+  # (Not orbax's "cannot schedule new futures after shutdown", wrapped as
+  # a disk error that asks to free space.)
+  engine = _engine(3)
+  state = engine.init(m.mlp_params())
+  with zj.Checkpointer(tmp_path / "c") as ckpt:
+    pass
+  with pytest.raises(RuntimeError, match="is closed.*cannot save.*new "
+                     "Checkpointer"):
+    ckpt.save(state)
+  reader = zj.Checkpointer(saved[0]["plain"], read_only=True)
+  reader.close()
+  with pytest.raises(RuntimeError, match="is closed.*cannot restore"):
+    reader.restore(engine, m.mlp_params())
+  assert not os.listdir(tmp_path / "c")  # (nothing was written)
+
+
 def test_mixed_precision_copy_and_loss_scale_are_rebuilt(tmp_path):
   # float16 at stage 3 with offload (a sharded compute copy) restored at
   # stage 2 (a replicated compute copy): the copy is a cast of the master,

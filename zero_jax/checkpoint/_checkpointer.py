@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 import threading
 from typing import Any, Callable
@@ -55,6 +54,7 @@ from zero_jax.checkpoint._orbax import (before_threads_join,
                                         current_operation_id,
                                         release_waiting_threads)
 from zero_jax.checkpoint._reader import Reader
+from zero_jax.checkpoint._sigterm import Sigterm
 from zero_jax.checkpoint._stored import ls_dict, stored_tree
 from zero_jax.train import Engine, TrainState
 # Where the steps a rollback abandoned go: a name no restore reads as a step.
@@ -129,15 +129,11 @@ class Checkpointer:
     self._committed: set[int] = set()  # steps verified on disk
     self._max_to_keep = max_to_keep
     self._check_no_strays()
-    self._sigterm = threading.Event()
-    self._polled = False
     before_threads_join(_weakly(self._finish_at_exit))
-    self._previous_handler = None
-    self._installed = False
-    if (handle_sigterm and not read_only and jax.process_count() == 1 and
-        threading.current_thread() is threading.main_thread()):
-      self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-      self._installed = True
+    self._closed = False
+    self._sigterm = Sigterm(
+        handle_sigterm and not read_only and jax.process_count() == 1 and
+        threading.current_thread() is threading.main_thread())
 
   def _check_no_strays(self) -> None:
     """Raises if ``max_to_keep`` would count directories that are not
@@ -154,19 +150,6 @@ class Checkpointer:
           "checkpoints and delete real ones in their place. Move or delete "
           "them, or save to another directory (max_to_keep=None keeps "
           "everything and only reads past them).")
-
-  def _on_sigterm(self, signum, frame) -> None:
-    # Deferred only for a loop that asks (reached_preemption); otherwise,
-    # or on a second SIGTERM, the process terminates as it would have.
-    if self._polled and not self._sigterm.is_set():
-      self._sigterm.set()
-      return
-    previous = self._previous_handler
-    if callable(previous):
-      previous(signum, frame)
-      return
-    signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
 
   # ---------------------------------------------------------------- save
 
@@ -199,6 +182,7 @@ class Checkpointer:
         committed zero_jax checkpoint.
       PermissionError: the Checkpointer is ``read_only``.
     """
+    self._check_open("save")
     if self.read_only:
       raise PermissionError(
           f"Checkpointer({self.directory!r}, read_only=True) cannot save; "
@@ -307,16 +291,22 @@ class Checkpointer:
       raise
     self._release(quiet=False)
 
+  def _check_open(self, what: str) -> None:
+    if self._closed:
+      raise RuntimeError(
+          f"this Checkpointer of {self.directory!r} is closed (close(), or "
+          f"the end of its with block): it cannot {what}. Create a new "
+          f"Checkpointer({self.directory!r}) to {what}.")
+
   def _release(self, quiet: bool) -> None:
+    self._closed = True
     try:
       self._manager.close()
     except Exception:  # pylint: disable=broad-except
       if not quiet:
         raise
     finally:
-      if self._installed:
-        signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
-        self._installed = False
+      self._sigterm.uninstall()
 
   def _finish(self) -> None:
     """Waits for the pending save; a failure becomes a CheckpointWriteError
@@ -437,6 +427,7 @@ class Checkpointer:
       ValueError: the checkpoint's tree, shapes or dtypes differ from this
         model and optimizer; the message names the first differing leaf.
     """
+    self._check_open("restore")
     step = self._resolve_step(step)
     target = engine.abstract_state(params)
     state, meta = self._reader.read(step, target)
@@ -477,12 +468,12 @@ class Checkpointer:
     propagates one process's SIGTERM to all and picks the same step for
     every process; call this at every step, on every process.
     """
-    self._polled = True
+    polled = self._sigterm.poll()
     if jax.process_count() > 1:
       # pylint: disable-next=g-import-not-at-top
       from jax.experimental import multihost_utils
       return multihost_utils.reached_preemption_sync_point(step)
-    return self._sigterm.is_set()
+    return polled
 
 
 # --------------------------------------------------------------- helpers
