@@ -201,3 +201,46 @@ def test_a_failure_found_steps_later_names_the_step_that_failed(
   assert retry is not None and retry["type"] == "ValueError", retry
   _assert_names(retry["message"], "lost when step 1 failed",
                 "engine.init(params)")
+
+
+# -------------------------------------- out of memory before the dispatch
+
+
+@pytest.mark.parametrize("error", ["placing", "host"])
+def test_memory_running_out_before_the_step_runs_leaves_the_state(
+    monkeypatch, error):
+  # Under an address-space limit, placing the batch (JAX's
+  # RESOURCE_EXHAUSTED) or a host buffer (numpy's MemoryError) can fail
+  # before the step takes the state: a StepFailedError that says the state
+  # is unchanged and the fix, and the same state trains on.
+  # pylint: disable-next=g-import-not-at-top
+  import jax
+  import optax  # pylint: disable=g-import-not-at-top
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  engine = zj.Engine(m.mlp_loss, optax.adamw(1e-2), zj.ZeroConfig(
+      stage=3, min_shard_elements=0), zj.make_mesh(num_devices=8))
+  batches = m.mlp_batches(2)
+  state = engine.init(m.mlp_params())
+  raised = (jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: Out of memory allocating 16777216 bytes.")
+            if error == "placing" else
+            MemoryError("Unable to allocate 64.0 MiB for an array"))
+
+  def fails(batch):
+    raise raised
+
+  monkeypatch.setattr(engine, "shard_batch", fails)
+  with pytest.raises(zj.StepFailedError) as info:
+    engine.step(state, batches[0])
+  _assert_names(str(info.value), "step 1 failed at run time",
+                "ran out of memory", "micro_batch_size",
+                "not donated and is unchanged: engine.step may take it")
+  assert info.value.__cause__ is raised
+  monkeypatch.undo()
+  losses = []
+  for batch in batches:
+    state, metrics = engine.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  ref = optax.adamw(1e-2)
+  ref_losses, _ = m.train_reference(m.mlp_loss, ref, m.mlp_params(), batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -90,7 +90,8 @@ def _name(number: int | None) -> str:
 def _fix(error: BaseException, remat: RematPolicy) -> str:
   """What to do about ``error``, by its kind."""
   text = str(error)
-  if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+  if (isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text or
+      "out of memory" in text.lower()):
     return (
         "It ran out of memory. Fix: a smaller batch per device "
         "(ZeroConfig.micro_batch_size, with more grad_accum_steps to keep "
@@ -229,18 +230,21 @@ class StepFunction:
       _checks.check_state(state, layout.state_shapes,
                           layout.state_shardings, layout.update.live)
     _checks.check_batch(batch)
-    batch = engine.shard_batch(batch)
-    self._check_split(layout, state, batch)
     if not goes_on:
       # What is pending belongs to the history this state leaves: none of
       # its flags, errors or carried buffers apply to it.
       self.reset()
     number = self._count(state)
     try:
+      # (Placing the batch can run out of memory too: the state is intact
+      # then, and the error says so. The host's update can run out of
+      # host memory with numpy's MemoryError.)
+      batch = engine.shard_batch(batch)
+      self._check_split(layout, state, batch)
       outputs = jitted(layout.update.device_input(state), batch)
       new, metrics, at_min, self._carry = layout.update.after(
           layout, state, outputs, self._carry)
-    except jax.errors.JaxRuntimeError as e:
+    except (jax.errors.JaxRuntimeError, MemoryError) as e:
       raise self._failed_now(state, number, e) from e
     skipped = None
     if not layout.placement.loss_scaling and layout.config.skip_nonfinite:
