@@ -469,13 +469,16 @@ class FusedUpdate:
     else:
       kernels()
     master, opt_state = self._publish(master, opt_state)
-    compute = master if bufs is None else self._copy_tree(writing, bufs)
     if targets is not None:
       # (The next update writes this buffer once these copies are done.)
       compute = self._sent[writing] = jax.tree.unflatten(
           jax.tree.structure(send), sent)
-    elif send is not None:
-      compute = self.to_device(compute, send)  # (the master itself)
+    elif bufs is not None:
+      compute = self._copy_tree(writing, bufs)
+    else:
+      compute = master  # (the copy is the fp32 master itself)
+      if send is not None:
+        compute = self.to_device(compute, send)
     return master, opt_state, compute, out
 
   def _scalars_of(self, prepare: Callable) -> Callable:

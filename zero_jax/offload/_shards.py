@@ -86,6 +86,9 @@ class MirroredFused(FusedUpdate):
     self.opt_shardings = self.mirror.opt_shardings
     self._device_of = {h: d for d, hs in self.mirror.partner.items()
                        for h in hs}
+    # Per master leaf, (its shape, its sharding): read per leaf each step.
+    self._leaves = list(zip(jax.tree.leaves(master),
+                            jax.tree.leaves(self.master_shardings)))
     # Per master leaf and block: whether it counts in the norm (the first
     # device in the mesh's order holding that block: replicas count once).
     self._first = []
@@ -152,8 +155,7 @@ class MirroredFused(FusedUpdate):
                             jax.tree.leaves(self.master_shardings))]
 
   def _leaf(self, j: int, blocks: list[np.ndarray]) -> Any:
-    return _wrap(blocks, jax.tree.leaves(self.master_shapes)[j].shape,
-                 jax.tree.leaves(self.master_shardings)[j])
+    return _wrap(blocks, self._leaves[j][0].shape, self._leaves[j][1])
 
   def _own(self, pairs: list[tuple[Any, list[np.ndarray]]], tree: Any
            ) -> Any:
