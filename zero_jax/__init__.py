@@ -38,6 +38,7 @@ _NAMES = {
     "Engine": "train",
     "Layout": "train",
     "LossScaleState": "train",
+    "NvmeOptions": "config",
     "REMAT_POLICIES": "config",
     "RematPolicy": "config",
     "StepFailedError": "train",
@@ -89,8 +90,8 @@ if TYPE_CHECKING:  # (what the names are, for type checkers and IDEs)
                                    CheckpointCorruptError,
                                    CheckpointWriteError, Checkpointer,
                                    export_params, load_params)
-  from zero_jax.config import (REMAT_POLICIES, RematPolicy, ZeroConfig,
-                               from_deepspeed)
+  from zero_jax.config import (REMAT_POLICIES, NvmeOptions, RematPolicy,
+                               ZeroConfig, from_deepspeed)
   from zero_jax.layers import (checkpoint_name, layer, scan_layers,
                                scan_linen, scan_nnx)
   from zero_jax.layout import make_mesh, simulate_cpu_devices

@@ -18,6 +18,7 @@ from zero_jax.config._ds_optim import (OPTIMIZERS, SCHEDULERS,
                                        optimizer_from_deepspeed,
                                        schedule_from_deepspeed)
 from zero_jax.config._ds_transforms import FusedForm, fused_form
+from zero_jax.config._nvme import NvmeOptions
 from zero_jax.config._remat import (AUTO_CANDIDATES, NAMED_POLICIES,
                                     REMAT_POLICIES, RematPolicy, check_remat)
 
@@ -29,6 +30,7 @@ __all__ = [
     "FusedForm",
     "MAPPING",
     "NAMED_POLICIES",
+    "NvmeOptions",
     "OPTIMIZERS",
     "REMAT_POLICIES",
     "RematPolicy",

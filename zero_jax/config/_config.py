@@ -13,6 +13,7 @@ from zero_jax._checks import (check_bool, check_choice, check_float,
                               check_int, fail)
 from zero_jax.config._batch_sizes import resolve_batch_sizes
 from zero_jax.config._combinations import check_combinations
+from zero_jax.config._nvme import NvmeOptions, offload_fields
 from zero_jax.config._remat import REMAT_POLICIES, RematPolicy, check_remat
 
 # The ZeRO stages: 0 (plain data parallelism) to 3.
@@ -137,6 +138,13 @@ class ZeroConfig:
       forward reads a separate compute-dtype copy (stages 1-2 with a
       ``compute_dtype``; stage 3 with a ``compute_dtype`` keeps a sharded
       compute copy on the device for that). None keeps both on the device.
+      ``"nvme"`` (ZeRO-Infinity; with ``update_on="host"`` and an optimizer
+      of ``zero_jax.offload``) keeps the fp32 master and the optimizer state
+      in files under ``nvme_path``, read, updated and written a slice at a
+      time, and crash-consistent: docs/offload.md.
+    nvme_path: with ``offload_optimizer="nvme"``, the directory (on a fast
+      local disk) under which each process keeps its files.
+    nvme: the NVMe tier's ``NvmeOptions`` (slices, RAM budget, I/O).
     offload_params: stage 3 only. ``"host"`` keeps the fp32 master shards in
       pinned host memory; forward and backward copy each layer's shards to
       the device just before gathering them (inside ``scan_layers``).
@@ -289,6 +297,8 @@ class ZeroConfig:
   consecutive_hysteresis: bool = False
   offload_optimizer: str | None = None
   offload_params: str | None = None
+  nvme_path: str | None = None
+  nvme: NvmeOptions = NvmeOptions()
   update_on: str = "device"
   delay_update: bool = False
   skip_nonfinite: bool = True
@@ -410,25 +420,11 @@ class ZeroConfig:
                 "initial_scale_power.")
     self._check("consecutive_hysteresis", check_bool,
                 "True refills the hysteresis on every clean step.")
-    if self.offload_optimizer in ("nvme", "disk"):
-      self._fail("offload_optimizer", "None or 'host'",
-                 "offload to disk (NVMe) is not implemented; use 'host' to "
-                 "keep the optimizer state in host memory.")
-    self._check("offload_optimizer", check_choice, (None, "host"),
-                "use 'host' to keep the optimizer state in host memory, "
-                "None to keep it on the device.")
-    self._check("offload_params", check_choice, (None, "host"),
-                "use 'host' (stage 3) to keep the fp32 master shards in "
-                "host memory, None to keep them on the device.")
-    self._check("update_on", check_choice, ("device", "host"),
-                "'device' streams offloaded state through the device, "
-                "'host' updates it on the host's CPU devices.")
+    for name, value in offload_fields(self).items():
+      self._set(name, value)
     self._check("partition_activations", check_bool,
                 "True splits each saved layer input over the 'model' axis "
                 "along the sequence (ZeRO-R's Pa).")
-    self._check("delay_update", check_bool,
-                "True (with update_on='host') applies each update one step "
-                "late.")
     self._check("skip_nonfinite", check_bool,
                 "True skips steps whose gradients hold NaN or inf, False "
                 "applies them.")
