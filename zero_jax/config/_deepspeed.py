@@ -47,10 +47,16 @@ Notes on the mapping:
   ``stage3_param_persistence_threshold`` elements; zero_jax when it has
   *fewer than* ``min_shard_elements``, so the field is the threshold + 1.
   Absent, zero_jax's default (1024) applies, not DeepSpeed's (1e5).
-* Offload: ``"nvme"`` is always an error (zero_jax has no disk offload).
-  The deprecated ``cpu_offload`` / ``cpu_offload_param`` switches still map
-  to offload, with a warning, as DeepSpeed still honours them.
-  ``ratio`` below 1 warns, as all of the state is offloaded.
+* Offload: ``offload_optimizer.device: "nvme"`` reads as
+  ``offload_optimizer="nvme"`` with ``update_on="host"`` (a warning says
+  so) and needs ``nvme_path``; its ``buffer_count``, ``pipeline_read``,
+  ``pipeline_write`` and the ``aio`` section set ``ZeroConfig.nvme``
+  (``_ds_nvme``), and have no effect with another device.
+  ``offload_param.device: "nvme"`` is an error (parameters on NVMe are not
+  implemented). The deprecated ``cpu_offload`` / ``cpu_offload_param``
+  switches still map to offload, with a warning, as DeepSpeed still
+  honours them. ``ratio`` below 1 warns, as all of the state is
+  offloaded.
 * ``activation_checkpointing`` configures DeepSpeed's checkpointing API,
   which the model's code calls; zero_jax remats every layer of
   ``scan_layers`` by default (``remat="full"``). ``partition_activations``
@@ -63,8 +69,8 @@ Notes on the mapping:
 * Monitors and other switched sections (``tensorboard``, ``wandb``,
   ``amp``, ``flops_profiler``...) are accepted when disabled; enabled, they
   are refused with the fix.
-* Keys without effect (``NO_EFFECT_KEYS``: bucket sizes, logging, NVMe
-  options...) are accepted with one warning giving the reason of each.
+* Keys without effect (``NO_EFFECT_KEYS``: bucket sizes, logging, libaio
+  details...) are accepted with one warning giving the reason of each.
 * Everything else (``pipeline``, ``moe``, unknown keys...) is refused with
   a ``ValueError`` naming the dotted key and what to do instead; with
   ``unsupported="warn"`` each becomes a ``UserWarning`` and is dropped.
@@ -76,16 +82,45 @@ Notes on the mapping:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from typing import Any, Mapping
 
 from zero_jax.config._config import ZeroConfig
 from zero_jax.config._ds_auto import check_known, fill_autos, with_aliases_read
-from zero_jax.config._ds_keys import load_config
 from zero_jax.config._ds_translate import Translator
 
 _MODES = ("error", "warn")
+
+
+def _load_config(config: Any) -> tuple[Mapping[str, Any], str | None]:
+  """The config as a mapping, and the path it was read from (if any)."""
+  if isinstance(config, Mapping):
+    return config, None
+  if not isinstance(config, (str, os.PathLike)):
+    raise TypeError("from_deepspeed takes a path to a DeepSpeed JSON file or "
+                    f"a dict, got {type(config).__name__}")
+  path = os.fspath(config)
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except FileNotFoundError:
+    hint = ("; to read a JSON string, pass json.loads(s)"
+            if str(path).lstrip().startswith("{") else "")
+    raise FileNotFoundError(
+        f"DeepSpeed config file {path!r} does not exist{hint}") from None
+  except OSError as e:
+    raise OSError(f"cannot read DeepSpeed config file {path!r}: {e}") from e
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(
+        f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
+  if not isinstance(data, dict):
+    raise ValueError(f"DeepSpeed config file {path!r} must hold a JSON "
+                     f"object, got {type(data).__name__}")
+  return data, path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +170,9 @@ def read_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
   Raises:
     ValueError: a value has the wrong type, an ``"auto"`` is left that no
       keyword given fills (all are listed), a keyword contradicts the
-      config, fp16 and bf16 are both enabled, NVMe offload is asked for,
-      the file is not valid JSON, or (with ``unsupported="error"``) a key is
+      config, fp16 and bf16 are both enabled, NVMe offload lacks its
+      ``nvme_path`` or asks for parameters on NVMe, the file is not valid
+      JSON, or (with ``unsupported="error"``) a key is
       not supported; the message names the dotted key and the fix.
     FileNotFoundError: ``config`` is a path that does not exist.
     TypeError: ``config`` is neither a path nor a mapping, or a keyword is
@@ -146,7 +182,7 @@ def read_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
     raise ValueError(f"unsupported must be one of {_MODES}, got "
                      f"{unsupported!r}")
   check_known(known)
-  data, path = load_config(config)
+  data, path = _load_config(config)
   source = f" {path!r}" if path is not None else ""
   translator = Translator(unsupported, known, optimizer)
   try:
@@ -211,8 +247,8 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
   Raises:
     ValueError: a value has the wrong type, an ``"auto"`` is left unfilled
       (all are listed, each with the keyword that fills it), fp16 and bf16
-      are both enabled, optimizer offload to NVMe is asked for, the file is
-      not valid JSON, or (with ``unsupported="error"``) a key is not
+      are both enabled, NVMe offload lacks its ``nvme_path`` or asks for
+      parameters on NVMe, the file is not valid JSON, or (with ``unsupported="error"``) a key is not
       supported; the message names the dotted key.
     FileNotFoundError: ``config`` is a path that does not exist.
     TypeError: ``config`` is neither a path nor a mapping, or a keyword is

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from zero_jax.config._ds_keys import (ALIASES, ANY, NO_EFFECT_KEYS, SWITCHED,
                                      UNSUPPORTED_WHY, is_auto, key_name)
+from zero_jax.config._ds_nvme import nvme_only
 
 # The keywords that fill in "auto", named as HuggingFace's Trainer names the
 # values it fills them from, and what each fills.
@@ -231,9 +232,14 @@ _READ_SECTIONS = ("fp16", "bf16", "bfloat16", "data_types",
 
 def _needs_no_value(data: Mapping[str, Any], path: str) -> bool:
   """Whether an "auto" at ``path`` has no effect: a key without effect, a
-  key of a disabled section, or stage 3's threshold below stage 3."""
+  key of a disabled section, an NVMe key without NVMe offload, or stage
+  3's threshold below stage 3."""
   if path in NO_EFFECT_KEYS and NO_EFFECT_KEYS[path][1] is ANY:
     return True
+  if nvme_only(path):
+    device = _at(data, "zero_optimization.offload_optimizer.device")
+    return not (isinstance(device, str) and
+                device.strip().lower() == "nvme")
   section, _, leaf = path.partition(".")
   if (section in SWITCHED or section == "amp") and leaf != "enabled" and (
       not _is_on(data, section)):

@@ -9,7 +9,6 @@ package's shared checks, each naming the dotted key in its error.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Callable, Mapping
@@ -63,6 +62,13 @@ def as_any(path: str, value: Any) -> Any:
   return value
 
 
+def as_flag(path: str, value: Any) -> bool:
+  """true or false, or those words as strings (as ds_nvme_tune writes)."""
+  if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+    return value.strip().lower() == "true"
+  return check_bool(key_name(path), value, what="true or false")
+
+
 def as_mapping(path: str, value: Any) -> Mapping[str, Any]:
   if not isinstance(value, Mapping):
     raise ValueError(f"{key_name(path)} must be an object ({{...}}), got "
@@ -95,8 +101,13 @@ _RESTORE = (
     "DeepSpeed's checkpoint format: zero_jax's Checkpointer restores the "
     "fp32 master and optimizer state into any device count, stage and "
     "offload")
-_NVME = ("an option of NVMe (disk) offload, which zero_jax does not have "
-         "(device \"nvme\" is an error)")
+_NVME_PARAMS = ("an option of parameter offload to NVMe, which zero_jax does "
+                "not have (offload_param.device \"nvme\" is refused)")
+# DeepSpeed's libaio handle (DeepNVMe): how it submits a request's blocks.
+_LIBAIO = ("{what}: zero_jax's I/O threads each submit requests of their own "
+           "(NvmeOptions.in_flight of them at once, read from "
+           "aio.intra_op_parallelism x aio.queue_depth), and their "
+           "completions always overlap")
 _PINNED = ("JAX places offloaded state in pinned host memory itself "
            "(memory kind pinned_host)")
 _CPU_ADAM = (
@@ -174,27 +185,30 @@ NO_EFFECT_KEYS: Mapping[str, tuple[Callable[[str, Any], Any], Any, str]] = {
     "zero_optimization.enable_sanity_checks": (
         as_bool, ANY, "debug checks of DeepSpeed's stage 3 partitioner: "
         "zero_jax's layout is checked when it is built, every run"),
-    "zero_optimization.save_muon_momentum_buffer_in_memory":
-        (as_bool, ANY, _NVME),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (
+        as_bool, ANY, "keeps DeepSpeed's Muon momentum out of its NVMe swap: "
+        "zero_jax's NVMe tier keeps all of the optimizer state in its files "
+        "(where state lives does not change results)"),
     "zero_optimization.cpu_offload_use_pin_memory": (as_bool, ANY, _PINNED),
     "zero_optimization.offload_optimizer.pin_memory": (as_bool, ANY, _PINNED),
-    "zero_optimization.offload_optimizer.buffer_count": (as_size, ANY, _NVME),
-    "zero_optimization.offload_optimizer.fast_init": (as_bool, ANY, _NVME),
-    "zero_optimization.offload_optimizer.pipeline_read":
-        (as_bool, ANY, _NVME),
-    "zero_optimization.offload_optimizer.pipeline_write":
-        (as_bool, ANY, _NVME),
-    "zero_optimization.offload_optimizer.nvme_path": (as_str, ANY, _NVME),
+    "zero_optimization.offload_optimizer.fast_init": (
+        as_bool, ANY, "DeepSpeed's faster first write of the optimizer state "
+        "to NVMe: zero_jax's init always writes the state files in one "
+        "streamed pass"),
     "zero_optimization.offload_optimizer.super_offload":
         (as_bool, ANY, _CPU_ADAM),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": (
         lambda k, v: check_float(key_name(k), v, maximum=1.0), ANY,
         _CPU_ADAM),
     "zero_optimization.offload_param.pin_memory": (as_bool, ANY, _PINNED),
-    "zero_optimization.offload_param.nvme_path": (as_str, ANY, _NVME),
-    "zero_optimization.offload_param.buffer_count": (as_size, ANY, _NVME),
-    "zero_optimization.offload_param.buffer_size": (as_size, ANY, _NVME),
-    "zero_optimization.offload_param.max_in_cpu": (as_size, ANY, _NVME),
+    "zero_optimization.offload_param.nvme_path":
+        (as_str, ANY, _NVME_PARAMS),
+    "zero_optimization.offload_param.buffer_count":
+        (as_size, ANY, _NVME_PARAMS),
+    "zero_optimization.offload_param.buffer_size":
+        (as_size, ANY, _NVME_PARAMS),
+    "zero_optimization.offload_param.max_in_cpu":
+        (as_size, ANY, _NVME_PARAMS),
     "activation_checkpointing.number_checkpoints": (
         as_size, ANY, "sizes the buffer of DeepSpeed's partitioned "
         "checkpoints: zero_jax remats every layer of scan_layers, each "
@@ -221,7 +235,15 @@ NO_EFFECT_KEYS: Mapping[str, tuple[Callable[[str, Any], Any], Any, str]] = {
         as_bool, ANY, "applies to the data loader deepspeed.initialize "
         "builds from training_data: zj.initialize builds none; feed "
         "engine.step batches of engine.train_batch_size"),
-    "aio": (as_mapping, ANY, _NVME),
+    # (DeepNVMe's ds_nvme_tune writes these two as "true"/"false" strings.)
+    "aio.single_submit": (as_flag, ANY, _LIBAIO.format(
+        what="whether DeepSpeed's libaio handle submits a request's blocks "
+        "one by one or in one batch")),
+    "aio.overlap_events": (as_flag, ANY, _LIBAIO.format(
+        what="whether DeepSpeed's libaio handle submits new blocks before "
+        "earlier ones complete")),
+    "aio.use_gds": (as_bool, False, "DeepSpeed's default, which zero_jax "
+                    "does: the files are read into host RAM"),
     "checkpoint.tag_validation": (
         as_str, ANY, "DeepSpeed checks that all ranks save under one tag: "
         "zero_jax's Checkpointer names checkpoints by step and saves from "
@@ -256,7 +278,8 @@ NO_EFFECT_KEYS: Mapping[str, tuple[Callable[[str, Any], Any], Any, str]] = {
 }
 
 # No-effect keys accepted without a warning: options of an offload that
-# does happen (or of NVMe offload, which is an error by itself).
+# does happen (or of parameter offload to NVMe, which is an error by
+# itself).
 QUIET: frozenset[str] = frozenset(
     k for k in NO_EFFECT_KEYS if k.startswith((
         "zero_optimization.offload_optimizer.",
@@ -342,6 +365,11 @@ UNSUPPORTED_WHY: Mapping[str, str] = {
     "checkpoint": _OWN_CHECKPOINTS,
     "disable_allgather": _NOT_IMPLEMENTED,
     "gradient_predivide_factor": _PREDIVIDE,
+    "aio.use_gds": (
+        "GPUDirect Storage reads files straight into GPU memory: zero_jax "
+        "reads the NVMe tier's files into host RAM, where the host update "
+        "runs (update_on=\"host\"); write false (without NVMe offload the "
+        "aio section has no effect, true included)"),
     "fp16.auto_cast": (
         "zero_jax casts the parameters, not the batch: cast floating inputs "
         "to float16 inside loss_fn, and set fp16.auto_cast to false"),
@@ -444,35 +472,6 @@ UNKNOWN = ("not a DeepSpeed key that zero_jax knows (check the spelling "
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16",
           "float16": "float16", "half": "float16", "bf16": "bfloat16",
           "bfloat16": "bfloat16"}
-
-
-def load_config(config: Any) -> tuple[Mapping[str, Any], str | None]:
-  """The config as a mapping, and the path it was read from (if any)."""
-  if isinstance(config, Mapping):
-    return config, None
-  if not isinstance(config, (str, os.PathLike)):
-    raise TypeError("from_deepspeed takes a path to a DeepSpeed JSON file or "
-                    f"a dict, got {type(config).__name__}")
-  path = os.fspath(config)
-  try:
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
-  except FileNotFoundError:
-    hint = ("; to read a JSON string, pass json.loads(s)"
-            if str(path).lstrip().startswith("{") else "")
-    raise FileNotFoundError(
-        f"DeepSpeed config file {path!r} does not exist{hint}") from None
-  except OSError as e:
-    raise OSError(f"cannot read DeepSpeed config file {path!r}: {e}") from e
-  try:
-    data = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise ValueError(
-        f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
-  if not isinstance(data, dict):
-    raise ValueError(f"DeepSpeed config file {path!r} must hold a JSON "
-                     f"object, got {type(data).__name__}")
-  return data, path
 
 
 def warn(message: str) -> None:

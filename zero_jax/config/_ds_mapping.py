@@ -27,10 +27,13 @@ class DeepSpeedKey:
 
   Attributes:
     key: the dotted DeepSpeed key.
-    field: the ``ZeroConfig`` field it sets ("" for none).
+    field: the ``ZeroConfig`` field it sets ("" for none; ``"nvme.x"`` for
+      field ``x`` of ``ZeroConfig.nvme``, an ``NvmeOptions``).
     read: ``(key, value) -> field value`` for a present, non-null value:
       checks it (the error names the key) and converts it. None where the
-      translator reads the key itself (a switch, an offload device).
+      translator reads the key itself (a switch, an offload device). The
+      NVMe rows are applied with ``offload_optimizer.device`` "nvme" only
+      (``_ds_nvme``).
     note: how the value maps, for the docs ("" when it is copied).
   """
 
@@ -68,6 +71,10 @@ def _stage(key: str, value: Any) -> int:
   return check_choice(key_name(key), value, STAGES)
 
 
+def _positive(key: str, value: Any) -> int:
+  return as_count(key, as_size(key, value))
+
+
 def _persistence(key: str, value: Any) -> int:
   # DeepSpeed keeps leaves with <= threshold elements whole; zero_jax
   # those with < min_shard_elements.
@@ -75,7 +82,13 @@ def _persistence(key: str, value: Any) -> int:
 
 
 _FP16 = "read only with fp16.enabled"
-_DEVICE = "\"cpu\": \"host\", \"none\": None; \"nvme\" is an error"
+_DEVICE = "\"cpu\": \"host\", \"none\": None"
+_ON_NVME = "with offload_optimizer.device \"nvme\" (otherwise no effect)"
+_THREADS = ("intra_op_parallelism x queue_depth, the requests in flight, each "
+            "from an I/O thread of its own (the one absent: DeepSpeed's "
+            "default, queue_depth 8, intra_op_parallelism 1; both absent: "
+            "zero_jax's 8); " + _ON_NVME)
+_ALIAS = "two of these names with different values: an error; " + _ON_NVME
 _BUILT = ("zj.initialize builds the optax transformation from it "
           "(zero_jax.config.optimizer_from_deepspeed); from_deepspeed "
           "refuses it")
@@ -132,9 +145,39 @@ MAPPING: tuple[DeepSpeedKey, ...] = (
                  "ZeRO++'s hpZ, stage 3: devices per group (a node); the "
                  "mesh must be make_mesh(replica=devices // it)"),
     DeepSpeedKey("zero_optimization.offload_optimizer.device",
-                 "offload_optimizer", None, _DEVICE),
+                 "offload_optimizer", None,
+                 _DEVICE + "; \"nvme\": \"nvme\" with update_on=\"host\" "
+                 "(the NVMe tier updates the state on the host, as "
+                 "DeepSpeed's CPU optimizer does; a warning says so)"),
+    DeepSpeedKey("zero_optimization.offload_optimizer.nvme_path",
+                 "nvme_path", as_str,
+                 "copied; needed with device \"nvme\" (otherwise no effect)"),
+    DeepSpeedKey("zero_optimization.offload_optimizer.buffer_count",
+                 "nvme.buffer_count", _positive,
+                 "slices host RAM holds at once; " + _ON_NVME),
+    DeepSpeedKey("zero_optimization.offload_optimizer.pipeline_read",
+                 "nvme.read_ahead", as_bool,
+                 "copied; absent: true, zero_jax's default (DeepSpeed's is "
+                 "false; the overlap leaves results the same; a warning "
+                 "says so); " + _ON_NVME),
+    DeepSpeedKey("zero_optimization.offload_optimizer.pipeline_write",
+                 "nvme.write_behind", as_bool,
+                 "copied; absent: true, as pipeline_read; " + _ON_NVME),
+    DeepSpeedKey("aio.block_size", "nvme.block_bytes", _positive,
+                 "copied: the largest request, a multiple of 4096 (absent: "
+                 "zero_jax's 8 MiB; DeepSpeed's is 1 MiB); " + _ON_NVME),
+    DeepSpeedKey("aio.queue_depth", "nvme.in_flight", _positive, _THREADS),
+    DeepSpeedKey("aio.intra_op_parallelism", "nvme.in_flight", _positive,
+                 _THREADS),
+    DeepSpeedKey("aio.thread_count", "nvme.in_flight", _positive,
+                 "intra_op_parallelism's name before DeepSpeed 0.16.4, read "
+                 "as it; " + _ALIAS),
+    DeepSpeedKey("aio.num_threads", "nvme.in_flight", _positive,
+                 "intra_op_parallelism as DeepNVMe's ds_nvme_tune writes it, "
+                 "read as it; " + _ALIAS),
     DeepSpeedKey("zero_optimization.offload_param.device", "offload_params",
-                 None, _DEVICE + "; stage 3 only"),
+                 None, _DEVICE + "; stage 3 only; \"nvme\" is refused "
+                 "(parameters on NVMe are not implemented)"),
     DeepSpeedKey("zero_optimization.cpu_offload", "offload_optimizer", None,
                  "deprecated; true: \"host\" (with a warning)"),
     DeepSpeedKey("zero_optimization.cpu_offload_param", "offload_params",

@@ -3,7 +3,8 @@ the keys zero_jax refuses and the warnings about the keys it accepts.
 
 ``read_deepspeed`` fills in ``"auto"`` first (``_ds_auto``), then hands the
 config to a ``Translator``, which reads the keys of ``MAPPING``
-(``_ds_mapping``) and sorts every other key by the tables of ``_ds_keys``.
+(``_ds_mapping``; the NVMe keys with ``_ds_nvme``) and sorts every other
+key by the tables of ``_ds_keys``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from zero_jax.config._ds_keys import (ANY, DEFAULT_ONLY, DTYPES,
                                      UNSUPPORTED_WHY, as_bool, as_number,
                                      as_str, is_auto, key_name, warn)
 from zero_jax.config._ds_mapping import MAPPING, ROWS
+from zero_jax.config._ds_nvme import read_aio, read_optimizer
 
 class Translator:
   """Walks a DeepSpeed config, collecting ZeroConfig kwargs and problems."""
@@ -35,6 +37,10 @@ class Translator:
     # ZeroConfig field -> the DeepSpeed key that gave it, for ZeroConfig's
     # errors.
     self.sources: dict[str, str] = {}
+    # ZeroConfig.nvme's fields read (NvmeOptions field -> value), and the
+    # DeepSpeed key(s) that gave each, named for errors.
+    self.nvme: dict[str, Any] = {}
+    self.nvme_keys: dict[str, str] = {}
 
   # Reading one key.
 
@@ -110,7 +116,7 @@ class Translator:
   def top(self, config: Mapping[str, Any]) -> None:
     handled = self.mapped(config, "") | {
         "fp16", "bf16", "bfloat16", "data_types", "zero_optimization",
-        "activation_checkpointing", "amp"}
+        "activation_checkpointing", "amp", "aio"}
     for name in ("optimizer", "scheduler"):
       if name not in config:
         continue
@@ -122,6 +128,7 @@ class Translator:
     self.precision(config)
     self.data_types(self.section(config, "data_types", ""))
     self.zero(config)
+    read_aio(self, self.section(config, "aio", ""))  # (after the device)
     self.activation_checkpointing(
         self.section(config, "activation_checkpointing", ""))
     self.amp(self.section(config, "amp", ""))
@@ -288,38 +295,42 @@ class Translator:
     self.rest(zero, p, handled | {"offload_optimizer", "offload_param"})
 
   def offload_device(self, section: Mapping[str, Any], p: str,
-                     what: str) -> str:
-    """Reads ``device`` ("none" or "cpu"; "nvme" is always an error) and
-    sets its ``MAPPING`` field to "host" for "cpu"."""
+                     devices: tuple[str, ...]) -> str:
+    """Reads ``device`` (one of ``devices``) and sets its ``MAPPING`` field
+    to "host" for "cpu" ("nvme" is ``read_optimizer``'s)."""
     device = self.get(section, "device", p)
     device = "none" if device is None else as_str(
         p + "device", device).strip().lower()
-    if device == "nvme":
+    if device == "nvme" and "nvme" not in devices:
       raise ValueError(
-          f"{key_name(p + 'device')} is \"nvme\": disk (NVMe) offload does "
-          f"not exist in zero_jax; use \"cpu\" to keep the {what} in host "
-          "memory")
-    if device not in ("none", "cpu"):
-      fail(key_name(p + "device"), "\"cpu\" or \"none\"", device)
+          f"{key_name(p + 'device')} is \"nvme\": parameters on NVMe are "
+          "not implemented in zero_jax yet; use \"cpu\" to keep the "
+          "parameters' fp32 master shards in host memory (stage 3), or put "
+          "the optimizer state on NVMe instead with "
+          "zero_optimization.offload_optimizer.device \"nvme\"")
+    if device not in devices:
+      fail(key_name(p + "device"),
+           " or ".join(f'"{d}"' for d in devices), device)
     if device == "cpu":
       self.set(ROWS[p + "device"].field, "host", p + "device")
     return device
 
   def offload_optimizer(self, section: Mapping[str, Any]) -> None:
     p = "zero_optimization.offload_optimizer."
-    device = self.offload_device(section, p, "optimizer state")
+    device = self.offload_device(section, p, ("cpu", "nvme", "none"))
+    handled = read_optimizer(self, section, device)
     ratio = self.get(section, "ratio", p)
     if ratio is not None:
       ratio = check_float(key_name(p + "ratio"), ratio, maximum=1.0)
-      if ratio < 1 and device == "cpu":
+      if ratio < 1 and device != "none":
         self.notes.append(
             f"'{p}ratio' is {ratio}: zero_jax offloads all of the optimizer "
             "state, not a fraction of it")
-    self.rest(section, p, {"device", "ratio"})
+    self.rest(section, p, {"device", "ratio"} | handled)
 
   def offload_param(self, section: Mapping[str, Any]) -> None:
     p = "zero_optimization.offload_param."
-    self.offload_device(section, p, "parameters")
+    self.offload_device(section, p, ("cpu", "none"))
     self.rest(section, p, {"device"})
 
   def activation_checkpointing(self, section: Mapping[str, Any]) -> None:

@@ -19,13 +19,10 @@ default 64 GB capped the model). A step:
 3. one kernel per leaf updates master and state in place and writes the
    16-bit compute copy in the same pass (``_kernels``).
 
-The compute copy is written into one of two host buffers in turn: the
-device copies one while the next update writes the other, and an update
-waits for the copy out of its buffer to finish before writing it.
-
-Each step returns new numpy views of the same buffers; ``live`` tells the
-views of the last step from older ones, which the engine refuses as it
-refuses a donated state.
+The compute copy goes to two host buffers in turn (the device copies one
+while the next update writes the other). Each step returns new views of
+the same buffers; ``live`` tells the last step's from older ones, which
+the engine refuses as it refuses a donated state.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from typing import Any, Callable, Iterator
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -43,38 +39,9 @@ from jax.sharding import SingleDeviceSharding
 
 from zero_jax.offload import _kernels
 from zero_jax.offload._buffers import aligned, owned
-from zero_jax.offload._optimizers import HostRule, Kind, decays
-
-# The updaters whose kernels run in the background now (``settle``).
-_PENDING: "weakref.WeakSet[FusedUpdate]" = weakref.WeakSet()
-
-
-# Every fused updater alive in this process (``in_place``).
-_ALL: "weakref.WeakSet[FusedUpdate]" = weakref.WeakSet()
-
-
-def in_place(tree: Any) -> bool:
-  """Whether ``tree`` (a train state) holds host state that a fused host
-  optimizer updates in place: what saves it must finish writing before
-  the next update."""
-  leaves = jax.tree.leaves(tree)
-  return any(u.owns(x) for u in list(_ALL) for x in leaves)
-
-
-def settle() -> None:
-  """Waits for every fused host update running in the background in this
-  process: what reads host state the engine updates in place (a
-  checkpoint's save) calls it first."""
-  for update in list(_PENDING):
-    update.wait()
-
-
-def _find(tree: Any, kind: type) -> Any:
-  """The one state of type ``kind`` inside ``tree``."""
-  found = [s for s in jax.tree.leaves(tree, is_leaf=lambda s: isinstance(
-      s, kind)) if isinstance(s, kind)]
-  assert len(found) == 1, (kind, len(found))
-  return found[0]
+from zero_jax.offload._optimizers import (HostRule, Kind, decays,
+                                          find_state, per_leaf_state)
+from zero_jax.offload._registry import ALL, PENDING
 
 
 class FusedUpdate:
@@ -91,6 +58,7 @@ class FusedUpdate:
   """
 
   fused = True
+  resumed: Any = None  # (what a tier on disk resumed: ``NvmeUpdate``)
 
   def __init__(self, tx: optax.GradientTransformation, rule: HostRule,
                master: Any, cpu: Any):
@@ -124,7 +92,7 @@ class FusedUpdate:
     # background: it overlaps the next step).
     self.seconds: dict[str, float] = {}
     self.background_updates = 0  # (updates run on the updater's thread)
-    _ALL.add(self)
+    ALL.add(self)
 
   # ------------------------------------------------------------ state
 
@@ -132,7 +100,7 @@ class FusedUpdate:
     """Waits for a background update (``update(background=True)``) to
     finish; its error, if it failed, is raised here."""
     pending, self._pending, self._writing = self._pending, None, None
-    _PENDING.discard(self)
+    PENDING.discard(self)
     if pending is not None:
       pending.result()
 
@@ -193,23 +161,29 @@ class FusedUpdate:
     return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(
         x, jax.Array) else x, tree)
 
-  def _publish(self, master: Any, opt_state: Any) -> tuple[Any, Any]:
+  def _publish(self, master: Any, opt_state: Any, updated: bool = False
+               ) -> tuple[Any, Any]:
     # New views of the same buffers: the live ones from now on.
+    del updated  # (a tier on disk shows the version the update writes)
     master, opt_state = jax.tree.map(lambda x: x.view(), (master, opt_state))
     self._live = {id(x): x for x in jax.tree.leaves((master, opt_state))}
     return master, opt_state
 
-  def adopt(self, master: Any, opt_state: Any) -> tuple[Any, Any]:
+  def adopt(self, master: Any, opt_state: Any, commit: Any = None
+            ) -> tuple[Any, Any]:
     """Master and optimizer state (arrays anywhere: a restore's, an
-    init's) copied into host buffers, one leaf at a time."""
+    init's) copied into host buffers, one leaf at a time. (``commit``: as
+    ``update``'s, for a tier on disk.)"""
+    del commit
     self.wait()
     master = jax.tree.map(lambda x: owned(x, np.float32), master)
     opt_state = jax.tree.map(owned, opt_state)
     return self._publish(master, opt_state)
 
-  def init(self, master: Any) -> tuple[Any, Any]:
+  def init(self, master: Any, commit: Any = None) -> tuple[Any, Any]:
     """The host master (from ``master``, any arrays) and ``tx.init`` of it,
     both in host buffers."""
+    del commit
     master = jax.tree.map(lambda x: owned(x, np.float32), master)
     with jax.default_device(self.cpu):
       opt_state = jax.jit(self.tx.init)(master)
@@ -246,10 +220,7 @@ class FusedUpdate:
       tree = jax.tree.map(self._detached, tree)
     return self._put(tree, shardings)
 
-  @staticmethod
-  def _detached(x: Any) -> Any:
-    """A copy of ``x`` that shares no buffer with it."""
-    return np.array(x)
+  _detached = staticmethod(np.array)  # (a copy that shares no buffer)
 
   def _put(self, tree: Any, shardings: Any) -> Any:
     """``tree`` (host state) moved to ``shardings`` on the mesh."""
@@ -260,13 +231,17 @@ class FusedUpdate:
     """Host RAM the update holds: master and optimizer state, the compute
     copy (two in the background: one being sent while the next is
     written), and the gradients as they arrive."""
-    state = sum(x.size * np.dtype(x.dtype).itemsize for x in
-                jax.tree.leaves((self.master_shapes, self.opt_shapes)))
+    state = self.state_bytes()
     n = sum(x.size for x in jax.tree.leaves(self.master_shapes))
     copies = (2 if background else
               0 if np.dtype(copy_dtype) == np.float32 else 1)
     return (state + copies * n * np.dtype(copy_dtype).itemsize +
             n * np.dtype(grad_dtype).itemsize)
+
+  def state_bytes(self) -> int:
+    """Bytes of the fp32 master and the optimizer state."""
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in
+               jax.tree.leaves((self.master_shapes, self.opt_shapes)))
 
   def describe(self) -> str:
     """One line for ``Engine.describe()``."""
@@ -305,7 +280,7 @@ class FusedUpdate:
     else:
       coef = dict(new.hyperparams)
       if self.rule.kind is Kind.ADAM:
-        count = _find(new, optax.ScaleByAdamState).count
+        count = find_state(new, optax.ScaleByAdamState).count
         # optax.tree.bias_correction's 1 - decay**count, as optax does it.
         coef["bc1"] = 1 - coef["b1"] ** count
         coef["bc2"] = 1 - coef["b2"] ** count
@@ -356,7 +331,8 @@ class FusedUpdate:
   def update(self, grads: Any, master: Any, opt_state: Any, extra: Any, *,
              prepare: Callable[..., tuple[Any, Any, Any]],
              compute_dtype: Any, into: Any = None, background: bool = False,
-             send: Any = None) -> tuple[Any, Any, Any, Any]:
+             send: Any = None, commit: Callable | None = None
+             ) -> tuple[Any, Any, Any, Any]:
     """One update, in place.
 
     Args:
@@ -379,6 +355,9 @@ class FusedUpdate:
         leaf's copy starts for the device as soon as its kernel has
         written it, so that the upload of one leaf overlaps the update of
         the next; the compute copy returned is then the device's.
+      commit: ``commit(out)`` is the small tree (the train state's step
+        and loss scale) that a tier outliving the process commits with the
+        state (``NvmeUpdate``); None here.
 
     Returns:
       ``(master, opt_state, compute, out)``: new views of the host state,
@@ -407,8 +386,10 @@ class FusedUpdate:
     with jax.default_device(self.cpu):
       (divisor, clip, norm, c), finite, out = self._scalars_of(prepare)(
           sumsq, jax.device_put(self._local(extra), self.cpu))
+    kept = None if commit is None else commit(out)
     if finite is not None and not bool(finite):
       # Skipped: master and state stay, the copy is cast afresh.
+      self._skipped(kept)
       master, opt_state = self._publish(master, opt_state)
       compute = self.cast(master, compute_dtype)
       if send is not None:
@@ -426,7 +407,7 @@ class FusedUpdate:
     # one is written: a buffer of its own even in float32.)
     writing, bufs = self._copy_buffer(compute_dtype, separate=background)
     master_blocks = self._blocks(master)
-    per_leaf = _per_leaf_state(
+    per_leaf = per_leaf_state(
         [b for b, big in zip(opt_blocks, self._big) if big],
         len(master_blocks))
     for blocks, v in zip(small, new_small):
@@ -437,24 +418,21 @@ class FusedUpdate:
     # (Each leaf's copy sent as soon as it is written: ``send``.)
     targets = (None if send is None or bufs is None else
                jax.tree.leaves(send))
-    sent = []
+    sent, sending = {}, [0.0]
+
+    def leaf_done(j: int) -> None:
+      if targets is not None:
+        begun = time.perf_counter()
+        sent[j] = self._send(self._leaf(j, bufs[j]), targets[j])
+        sending[0] += time.perf_counter() - begun
 
     def kernels():
-      sending = 0.0
-      for j, ps in enumerate(master_blocks):
-        for b, p in enumerate(ps):
-          out = (_kernels.NOTHING if bufs is None else
-                 _kernels.as_kernel_array(bufs[j][b]))
-          self._run(k, p.reshape(-1), g[j][b],
-                    [s[b].reshape(-1) for s in per_leaf[j]], out, scaling,
-                    coef, self._decay[j])
-        if targets is not None:
-          begun = time.perf_counter()
-          sent.append(self._send(self._leaf(j, bufs[j]), targets[j]))
-          sending += time.perf_counter() - begun
-      self.seconds["update"] = time.perf_counter() - clock - sending
+      self._update_leaves(k, g, master_blocks, per_leaf, bufs,
+                          (scaling, coef), leaf_done)
+      self._commit(kept)
+      self.seconds["update"] = time.perf_counter() - clock - sending[0]
       if targets is not None:
-        self.seconds["starting the copies to the device"] = sending
+        self.seconds["starting the copies to the device"] = sending[0]
       if self.compile_seconds is None:
         self.compile_seconds = time.perf_counter() - start
 
@@ -465,14 +443,14 @@ class FusedUpdate:
       self._pending = self._worker.submit(kernels)
       self._writing = writing
       self.background_updates += 1
-      _PENDING.add(self)
+      PENDING.add(self)
     else:
       kernels()
-    master, opt_state = self._publish(master, opt_state)
+    master, opt_state = self._publish(master, opt_state, updated=True)
     if targets is not None:
       # (The next update writes this buffer once these copies are done.)
       compute = self._sent[writing] = jax.tree.unflatten(
-          jax.tree.structure(send), sent)
+          jax.tree.structure(send), [sent[j] for j in range(len(sent))])
     elif bufs is not None:
       compute = self._copy_tree(writing, bufs)
     else:
@@ -486,15 +464,26 @@ class FusedUpdate:
       self._scalars[prepare] = jax.jit(prepare)
     return self._scalars[prepare]
 
+  def _update_leaves(self, k, g: list, master_blocks: list, per_leaf: list,
+                     bufs: list | None, step: tuple,
+                     leaf_done: Callable[[int], None]) -> None:
+    """Every leaf's kernel, ``leaf_done(j)`` once leaf ``j``'s copy is
+    written. (``step``: the gradients' scaling and the coefficients.)"""
+    for j, ps in enumerate(master_blocks):
+      for b, p in enumerate(ps):
+        out = (_kernels.NOTHING if bufs is None else
+               _kernels.as_kernel_array(bufs[j][b]))
+        self._run(k, p.reshape(-1), g[j][b],
+                  [s[b].reshape(-1) for s in per_leaf[j]], out, *step,
+                  self._decay[j])
+      leaf_done(j)
+
+  def _skipped(self, kept: Any) -> None:
+    """A skipped step's hook (a tier on disk commits ``kept``)."""
+
+  def _commit(self, kept: Any) -> None:
+    """The end of an update's hook (a tier on disk commits it)."""
+
   def _run(self, k, p, g, state, out, scaling, coef, decays) -> None:
     """One leaf's kernel."""
     _kernels.apply(k, self.rule, p, g, state, out, scaling, coef, decays)
-
-
-def _per_leaf_state(arrays: list, n: int) -> list[list[Any]]:
-  """Per master leaf, its parameter-shaped optimizer-state leaves in tree
-  order (the moments are parameter-shaped trees one after the other: mu's
-  n leaves, then nu's)."""
-  assert len(arrays) % n == 0, (len(arrays), n)
-  per = len(arrays) // n
-  return [[arrays[t * n + j] for t in range(per)] for j in range(n)]

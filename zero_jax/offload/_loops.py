@@ -54,7 +54,7 @@ def bitcast(src, dst):
 f32_from_bits = bitcast(types.uint32, types.float32)
 bits_from_f32 = bitcast(types.float32, types.uint32)
 
-jit = functools.partial(numba.njit, cache=True)
+jit = functools.partial(numba.njit, cache=True, nogil=True)
 
 
 @jit(inline="always")

@@ -155,3 +155,20 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
       learning_rate=learning_rate,
       initial_accumulator_value=initial_accumulator_value, eps=eps)
   return _fused(tx, HostRule(Kind.ADAGRAD))
+
+
+def find_state(tree: Any, kind: type) -> Any:
+  """The one state of type ``kind`` inside ``tree``."""
+  found = [s for s in jax.tree.leaves(tree, is_leaf=lambda s: isinstance(
+      s, kind)) if isinstance(s, kind)]
+  assert len(found) == 1, (kind, len(found))
+  return found[0]
+
+
+def per_leaf_state(arrays: list, n: int) -> list[list[Any]]:
+  """Per master leaf, its parameter-shaped optimizer-state leaves in tree
+  order (the moments are parameter-shaped trees one after the other: mu's
+  n leaves, then nu's)."""
+  assert len(arrays) % n == 0, (len(arrays), n)
+  per = len(arrays) // n
+  return [[arrays[t * n + j] for t in range(per)] for j in range(n)]

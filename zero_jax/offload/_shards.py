@@ -168,7 +168,9 @@ class MirroredFused(FusedUpdate):
       out.append(y)
     return jax.tree.unflatten(jax.tree.structure(tree), out)
 
-  def _publish(self, master: Any, opt_state: Any) -> tuple[Any, Any]:
+  def _publish(self, master: Any, opt_state: Any, updated: bool = False
+               ) -> tuple[Any, Any]:
+    del updated
     leaves = jax.tree.leaves((master, opt_state))
     pairs = [(x, self._owned[id(x)][1]) for x in leaves]
     out = self._own(pairs, (master, opt_state))
@@ -176,9 +178,11 @@ class MirroredFused(FusedUpdate):
       x.delete()  # (the buffers stay: they are this updater's)
     return out
 
-  def adopt(self, master: Any, opt_state: Any) -> tuple[Any, Any]:
+  def adopt(self, master: Any, opt_state: Any, commit: Any = None
+            ) -> tuple[Any, Any]:
     """Master and optimizer state (global arrays on this layout: a
     restore's, an init's) copied into host buffers, shard by shard."""
+    del commit
     self.wait()
     pairs = []
     for x, dtype in [(x, np.float32) for x in jax.tree.leaves(master)] + [
@@ -191,7 +195,8 @@ class MirroredFused(FusedUpdate):
   def put(self, tree: Any, shardings: Any = None) -> Any:
     return self.mirror.put(tree, shardings)
 
-  def init(self, master: Any) -> tuple[Any, Any]:
+  def init(self, master: Any, commit: Any = None) -> tuple[Any, Any]:
+    del commit
     master = self.mirror.put(master)
     return self.adopt(master, self.mirror.init(jax.tree.map(
         lambda x: x.astype(np.float32), master)))

@@ -383,7 +383,7 @@ class Layout:
         # Laid out as the devices' ZeRO shards: stage 1's at stage 0,
         # whose plan shards nothing.
         mirrored = (param_plan, opt_plan) if pl.stage else plans(1)
-      host = _host_update(tx, master, mesh, mirrored)
+      host = _host_update(tx, master, mesh, mirrored, config)
       params_sh, opt_sh = host.master_shardings, host.opt_shardings
       if pl.compute_memory.on_host:
         compute_sh = on_host(compute_sh)
@@ -435,14 +435,30 @@ def signature(params: Any) -> tuple:
 
 
 def _host_update(tx: optax.GradientTransformation, master: Any,
-                 mesh: Mesh, mirrored: tuple[Plan, Plan] | None
-                 ) -> offload.HostUpdate | offload.FusedUpdate:
-  """ZeRO-Offload's split: master and optimizer state in host buffers,
-  updated by the fused host optimizer where ``tx`` is one it runs, else on
-  the host's CPU devices by a program of their own. ``mirrored`` (a
-  multi-process run): the plans of the master and the optimizer state,
-  whose shards each process updates for its own devices."""
+                 mesh: Mesh, mirrored: tuple[Plan, Plan] | None,
+                 config: Any) -> offload.HostUpdate | offload.FusedUpdate:
+  """ZeRO-Offload's split: master and optimizer state in host buffers (in
+  files with ``offload_optimizer="nvme"``), updated by the fused host
+  optimizer where ``tx`` is one it runs, else on the host's CPU devices by
+  a program of their own. ``mirrored`` (a multi-process run): the plans of
+  the master and the optimizer state, whose shards each process updates
+  for its own devices."""
   rule = offload.rule_of(tx)
+  if config.offload_optimizer == "nvme":
+    if rule is None:
+      raise ValueError(
+          "offload_optimizer='nvme' runs the fused host optimizer on each "
+          "slice read from disk: build the optimizer with zero_jax.offload's "
+          "adamw, adam, lion, sgd or adagrad (or a DeepSpeed optimizer "
+          "section through zj.initialize), not this optax transformation")
+    if mirrored is not None:
+      raise ValueError(
+          "offload_optimizer='nvme' runs in single-process runs for now "
+          f"(this run has {jax.process_count()} processes): use "
+          "offload_optimizer='host' across processes")
+    return offload.NvmeUpdate(tx, rule, master,
+                              offload.host_devices(mesh)[0],
+                              config.nvme_path, config.nvme)
   if mirrored is None and rule is not None:
     return offload.FusedUpdate(tx, rule, master,
                                offload.host_devices(mesh)[0])

@@ -239,6 +239,8 @@ class OnHost:
     how = ({} if not self.fused else
            {"background": True} if layout.config.delay_update else
            {"send": sh.compute_params})
+    if self.fused:  # (what a tier on disk commits with the state)
+      how["commit"] = lambda out: _kept(new.step, out[0])
     master, opt_state, copy, (loss_scale, more, at_min) = self.host.update(
         grads, state.params, state.opt_state,
         {"step": state.step, "loss_scale": state.loss_scale},
@@ -294,7 +296,9 @@ class OnHost:
   def adopt(self, state):
     if not self.fused:
       return state
-    master, opt_state = self.host.adopt(state.params, state.opt_state)
+    master, opt_state = self.host.adopt(
+        state.params, state.opt_state,
+        commit=_kept(state.step, state.loss_scale))
     return dataclasses.replace(state, params=master, opt_state=opt_state)
 
   def live(self, x):
@@ -319,7 +323,15 @@ class OnHost:
                        device_part(layout.state_shardings),
                        compute_params=None))()
     if self.fused:
-      master, opt_state = host.init(params)
+      template = _kept(rest.step, rest.loss_scale)
+      master, opt_state = host.init(params, commit=template)
+      if host.resumed is not None:
+        # (The NVMe tier resumed a committed step: its step and scale.)
+        kept = jax.device_put(
+            jax.tree.unflatten(jax.tree.structure(template), host.resumed),
+            jax.tree.map(lambda x: x.sharding, template))
+        rest = dataclasses.replace(rest, step=kept["step"],
+                                   loss_scale=kept["loss_scale"])
     else:
       # (A copy the caller does not hold: the host's update donates it.)
       master = jax.jit(lambda p: jax.tree.map(
@@ -378,7 +390,10 @@ class OnHost:
             "parameter and device)")
     if self.fused:
       line += (f"; {self.host_bytes(layout) / 2**30:,.2f} GiB of host RAM "
-               "(master and state, the compute copy, the gradients)")
+               "(the compute copy, the gradients, and " + (
+                   "the slices in flight)" if isinstance(
+                       self.host, offload.NvmeUpdate) else
+                   "master and state)"))
     else:
       line += ("; the update is one XLA:CPU program: the fused host "
                "optimizer runs zero_jax.offload's adamw, adam, lion, sgd and "
@@ -390,6 +405,12 @@ class OnHost:
 def _per_device(lp: LeafPlan, n: int, m: int) -> int:
   """Elements of a leaf each device holds."""
   return math.prod(lp.local_shape(n)) // (m if lp.model_split else 1)
+
+
+def _kept(step: Any, loss_scale: Any) -> dict[str, Any]:
+  """What a tier on disk commits with the state: the train state's step
+  and loss scale."""
+  return {"step": step, "loss_scale": loss_scale}
 
 
 def _copied(host: Any, device: Any) -> bool:

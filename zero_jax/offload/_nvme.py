@@ -1,0 +1,485 @@
+"""ZeRO-Infinity's NVMe tier (``offload_optimizer="nvme"``): the fp32 master
+and the optimizer state in files, updated a slice at a time by the fused
+host optimizer's kernels.
+
+A step reads each slice of master and state, updates it with the kernels
+of ``FusedUpdate`` (the compute copy written in the same pass), and writes
+it back, while the I/O threads (``_disk``) read the next slices and write
+the last ones: ``buffer_count`` slices in host RAM at once. Gradients stay
+in host RAM: 12 bytes a parameter are read and 12 written per step (fp32
+master and Adam's moments), where DeepSpeed also writes and reads the fp32
+gradient (32).
+
+Crash consistency: each kind of tensor has two files, versions 0 and 1. A
+step reads the committed version and writes the other; once every write
+is flushed (``fsync``), ``manifest.json`` is replaced (written aside,
+flushed, renamed, the directory flushed) to name the new version, the
+step, the loss scale, the optimizer's scalars and a CRC-32 per request.
+A process killed anywhere leaves the committed version whole: a restart
+with ``NvmeOptions(resume=True)`` reads it, and every read checks its CRC,
+so a torn or flipped file is an error naming the file and the step.
+
+The train state's master and optimizer state are read-only
+``np.memmap`` views of the committed version's files (checkpoints read
+them like any array); the optimizer's scalars live in RAM.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zero_jax.offload import _disk, _kernels
+from zero_jax.offload._buffers import aligned
+from zero_jax.offload._fused import FusedUpdate
+from zero_jax.offload._optimizers import HostRule
+from zero_jax.offload._slices import DiskPlan
+
+MANIFEST = "manifest.json"
+_FORMAT = 1
+
+
+def read_manifest(root: pathlib.Path) -> dict | None:
+  """The committed record under ``root`` (None: nothing committed)."""
+  path = root / MANIFEST
+  try:
+    text = path.read_text()
+  except FileNotFoundError:
+    return None
+  try:
+    record = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise _disk.DiskError(
+        5, f"{path} is not the NVMe tier's manifest ({e}): the directory "
+        "is damaged; use another nvme_path and restore from a checkpoint"
+    ) from e
+  if not isinstance(record, dict) or record.get("format") != _FORMAT:
+    raise _disk.DiskError(
+        5, f"{path} is not a manifest of this zero_jax's NVMe tier (format "
+        f"{_FORMAT}); use another nvme_path")
+  return record
+
+
+def write_manifest(root: pathlib.Path, record: dict) -> None:
+  """Commits ``record``: written aside, flushed, renamed over the manifest,
+  the directory flushed."""
+  aside = root / (MANIFEST + ".new")
+  with open(aside, "w") as f:
+    json.dump(record, f)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(aside, root / MANIFEST)
+  _disk.sync_directory(root)
+
+
+def _encode(leaves: list) -> list:
+  """Small arrays as JSON: [dtype, shape, values]."""
+  out = []
+  for x in leaves:
+    x = np.asarray(x)
+    out.append([x.dtype.name, list(x.shape), x.reshape(-1).tolist()])
+  return out
+
+
+def _decode(rows: list) -> list[np.ndarray]:
+  return [np.array(v, dtype=jnp.dtype(d)).reshape(s) for d, s, v in rows]
+
+
+class NvmeUpdate(FusedUpdate):
+  """The fused host optimizer on state that lives in files.
+
+  ``FusedUpdate``'s interface, which ``OnHost`` drives.
+
+  Args:
+    tx: an optimizer of ``zero_jax.offload``'s constructors.
+    rule: its rule (``rule_of(tx)``).
+    master: the fp32 master as ``jax.ShapeDtypeStruct`` leaves (a tree).
+    cpu: the CPU device where the step's scalar programs run.
+    path: ``nvme_path``; this process keeps its files in ``process-<i>``.
+    options: ``NvmeOptions``.
+  """
+
+  def __init__(self, tx: optax.GradientTransformation, rule: HostRule,
+               master: Any, cpu: Any, path: str, options: Any):
+    super().__init__(tx, rule, master, cpu)
+    self.options = options
+    self.root = pathlib.Path(path) / f"process-{jax.process_index()}"
+    leaves = jax.tree.leaves(master)
+    n = len(leaves)
+    big = [s for s, b in zip(jax.tree.leaves(self.opt_shapes), self._big)
+           if b]
+    per = len(big) // n
+    dtypes = [np.dtype(np.float32)]
+    for t in range(per):
+      kind = {np.dtype(s.dtype) for s in big[t * n:(t + 1) * n]}
+      if len(kind) != 1 or any(s.shape != x.shape for s, x in zip(
+          big[t * n:(t + 1) * n], leaves)):
+        raise ValueError(
+            "offload_optimizer='nvme' keeps each part of the optimizer "
+            "state in a file of one dtype, shaped like the parameters; "
+            f"this optimizer's part {t} is not")
+      dtypes.append(kind.pop())
+    self.plan = DiskPlan.of([x.size for x in leaves], dtypes,
+                            options.slice_bytes)
+    self._shapes = [x.shape for x in leaves]
+    self._ends: dict[int, list[int]] = collections.defaultdict(list)
+    for j, i in enumerate(self.plan.last_slice()):
+      self._ends[i].append(j)
+    self._pool: _disk.Pool | None = None
+    self._files: dict[tuple[int, int], _disk.File] = {}
+    self._slots: list[list[np.ndarray]] | None = None
+    self._version: int | None = None  # (the committed one)
+    self._next: int | None = None  # (the one the running update writes)
+    self._sums: list | None = None  # (per kind, slice: each request's CRC)
+    self._new_sums: list | None = None
+    self._step: int | None = None
+    self._small: list[np.ndarray] = []  # (the optimizer's scalars)
+    self.io: dict[str, float] = {}  # (the last pass: bytes and seconds)
+
+  # ------------------------------------------------------------ files
+
+  def _file(self, kind: int, version: int) -> _disk.File:
+    key = (kind, version)
+    if key not in self._files:
+      self.root.mkdir(parents=True, exist_ok=True)
+      self._files[key] = _disk.File(
+          self.root / f"{'master' if kind == 0 else f'state{kind}'}."
+          f"{version}", self.plan.file_bytes(kind), self.options.direct)
+    return self._files[key]
+
+  def _io(self) -> _disk.Pool:
+    if self._pool is None:
+      self._pool = _disk.Pool(self.options.in_flight,
+                              self.options.block_bytes)
+    return self._pool
+
+  def _slot_buffers(self) -> list[list[np.ndarray]]:
+    """``buffer_count`` slots, each a slice's buffer per kind."""
+    if self._slots is None:
+      s = self.plan.slice_elements
+      self._slots = [[aligned((s,), d) for d in self.plan.dtypes]
+                     for _ in range(self.options.buffer_count)]
+    return self._slots
+
+  def _pass(self, read_from: int | None,
+            on_slice: Callable[[int, list[np.ndarray]], None],
+            write_to: int | None) -> list | None:
+    """One pass over the slices: each read from version ``read_from``
+    (None: not read; its buffers zeroed), ``on_slice(i, buffers)``, then
+    written to version ``write_to`` (None: not written) and the files
+    flushed. Returns the written requests' CRCs (per kind, per slice)."""
+    plan, o, pool = self.plan, self.options, self._io()
+    slots = self._slot_buffers()
+    free = list(range(len(slots)))
+    reading: dict[int, tuple[int, list]] = {}
+    writing: collections.deque = collections.deque()
+    sums = (None if write_to is None else
+            [[None] * len(plan.slices) for _ in plan.dtypes])
+    waited = {"read": 0.0, "write": 0.0}
+    begun, before = time.perf_counter(), (pool.bytes_read,
+                                          pool.bytes_written)
+
+    def views(slot: int, i: int) -> list[np.ndarray]:
+      return [b[:plan.slices[i].size] for b in slots[slot]]
+
+    def retire() -> None:
+      i, slot, futures = writing.popleft()
+      t0 = time.perf_counter()
+      for t, fs in enumerate(futures):
+        _disk.done(fs)
+        sums[t][i] = [f.result() for f in fs]
+      waited["write"] += time.perf_counter() - t0
+      free.append(slot)
+
+    def start(i: int) -> None:
+      if not free:
+        retire()
+      slot = free.pop()
+      bufs = views(slot, i)
+      if read_from is None:
+        for b in bufs:
+          b[...] = 0
+        reading[i] = (slot, [])
+        return
+      reading[i] = (slot, [pool.read(
+          self._file(t, read_from), b, plan.slices[i].start * b.itemsize,
+          self._sums[t][i], self._step) for t, b in enumerate(bufs)])
+
+    ahead = -1
+    try:
+      for i in range(len(plan.slices)):
+        if i not in reading:
+          start(i)
+          ahead = max(ahead, i)
+        while (o.read_ahead and read_from is not None and free and
+               ahead + 1 < len(plan.slices)):
+          ahead += 1
+          start(ahead)
+        slot, futures = reading.pop(i)
+        t0 = time.perf_counter()
+        for fs in futures:
+          _disk.done(fs)
+        waited["read"] += time.perf_counter() - t0
+        bufs = views(slot, i)
+        on_slice(i, bufs)
+        if write_to is None:
+          free.append(slot)
+          continue
+        writing.append((i, slot, [pool.write(
+            self._file(t, write_to), b, plan.slices[i].start * b.itemsize)
+                                  for t, b in enumerate(bufs)]))
+        if not o.write_behind:
+          retire()
+      while writing:
+        retire()
+      if write_to is not None:
+        _disk.done([pool.run(self._file(t, write_to).sync)
+                    for t in range(len(plan.dtypes))])
+    except BaseException:
+      # (No request may still fill or drain a buffer once this returns.)
+      for _, futures in reading.values():
+        for fs in futures:
+          _disk.done_quietly(fs)
+      for _, _, futures in writing:
+        for fs in futures:
+          _disk.done_quietly(fs)
+      raise
+    seconds = time.perf_counter() - begun
+    self.io = {"seconds": seconds,
+               "read": pool.bytes_read - before[0],
+               "written": pool.bytes_written - before[1],
+               "waiting for reads": waited["read"],
+               "waiting for writes": waited["write"]}
+    return sums
+
+  # ----------------------------------------------------------- commits
+
+  def _commit_version(self, version: int, sums: list, kept: Any) -> None:
+    """Names ``version`` committed, with the step's small state."""
+    step = None
+    if kept is not None:
+      step = int(np.asarray(jax.tree.leaves(kept)[0]))
+      kept = _encode(jax.tree.leaves(kept))
+    write_manifest(self.root, {
+        "format": _FORMAT, "version": version, "step": step,
+        "optimizer": self.rule.kind.value, "plan": self.plan.signature(),
+        "sums": sums, "small": _encode(self._small), "kept": kept})
+    self._version, self._sums, self._step = version, sums, step
+
+  def _commit(self, kept: Any) -> None:
+    self._commit_version(self._next, self._new_sums, kept)
+
+  def _skipped(self, kept: Any) -> None:
+    self._commit_version(self._version, self._sums, kept)
+
+  # ------------------------------------------------------------- views
+
+  def _publish(self, master: Any, opt_state: Any, updated: bool = False
+               ) -> tuple[Any, Any]:
+    """Read-only views of the version committed (``updated``: the one the
+    running update writes), the optimizer's scalars in RAM."""
+    del master, opt_state
+    v = self._next if updated else self._version
+    maps = [[self._map(t, j, v) for j in range(len(self._shapes))]
+            for t in range(len(self.plan.dtypes))]
+    master = jax.tree.unflatten(jax.tree.structure(self.master_shapes),
+                                maps[0])
+    big = iter(x for kind in maps[1:] for x in kind)
+    small = iter(self._small)
+    opt = [next(big) if b else next(small) for b in self._big]
+    opt_state = jax.tree.unflatten(jax.tree.structure(self.opt_shapes), opt)
+    return super()._publish(master, opt_state)
+
+  def _map(self, kind: int, leaf: int, version: int) -> np.ndarray:
+    dtype = self.plan.dtypes[kind]
+    f = self._file(kind, version)
+    return np.memmap(f.path, dtype, "r",
+                     offset=self.plan.offsets[leaf] * dtype.itemsize,
+                     shape=(max(self.plan.sizes[leaf], 1),))[
+                         :self.plan.sizes[leaf]].reshape(self._shapes[leaf])
+
+  # -------------------------------------------------------- init, resume
+
+  def init(self, master: Any, commit: Any = None) -> tuple[Any, Any]:
+    """The state from ``master`` (any arrays) and ``tx.init``, written a
+    slice at a time; or, where ``nvme_path`` holds a committed state and
+    ``resume`` is True, that state (``resumed`` then holds its step's
+    small tree)."""
+    self.wait()
+    record = read_manifest(self.root)
+    if record is not None:
+      if self.options.resume is None:
+        raise FileExistsError(
+            f"{self.root} holds the NVMe tier's state of step "
+            f"{record.get('step')}, committed by an earlier run: pass "
+            "NvmeOptions(resume=True) to continue it, resume=False to start "
+            "afresh over it, or another nvme_path")
+      if self.options.resume:
+        return self._resume(record)
+    stub = jax.tree.map(lambda x: jnp.stack([x, -3 * x - 1]),
+                        jax.tree.map(lambda _: jnp.float32(1),
+                                     self.master_shapes))
+    with jax.default_device(self.cpu):
+      first = jax.tree.leaves(jax.jit(self.tx.init)(stub))
+    fills = [np.asarray(x) for x, b in zip(first, self._big) if b]
+    if any(f[0] != f[1] for f in fills):
+      raise ValueError("offload_optimizer='nvme' writes the optimizer's "
+                       "first state as constants; this optimizer's depends "
+                       "on the parameters")
+    self._small = [np.array(x) for x, b in zip(first, self._big) if not b]
+    n = len(self._shapes)
+    leaves = jax.tree.leaves(master)
+    return self._write_all(
+        lambda t, j: leaves[j] if t == 0 else fills[(t - 1) * n + j][0],
+        commit)
+
+  def adopt(self, master: Any, opt_state: Any, commit: Any = None
+            ) -> tuple[Any, Any]:
+    """Master and optimizer state (arrays anywhere: a restore's) written to
+    the files as a new committed version."""
+    self.wait()
+    opt = jax.tree.leaves(opt_state)
+    self._small = [np.array(x) for x, b in zip(opt, self._big) if not b]
+    big = [x for x, b in zip(opt, self._big) if b]
+    leaves = jax.tree.leaves(master)
+    n = len(leaves)
+    return self._write_all(
+        lambda t, j: leaves[j] if t == 0 else big[(t - 1) * n + j], commit)
+
+  def _write_all(self, source: Callable[[int, int], Any], kept: Any
+                 ) -> tuple[Any, Any]:
+    """Every kind's leaves from ``source(kind, leaf)`` (an array, or a
+    scalar to fill with) written as a new version, then committed."""
+    version = 0 if self._version is None else 1 - self._version
+    flat: dict[tuple[int, int], Any] = {}
+
+    def on_slice(i: int, bufs: list[np.ndarray]) -> None:
+      for seg in self.plan.slices[i].segments:
+        for t, b in enumerate(bufs):
+          key = (t, seg.leaf)
+          if key not in flat:
+            x = source(*key)
+            flat[key] = (np.asarray(x).reshape(-1) if np.ndim(x) or
+                         key[0] == 0 else np.asarray(x))
+          x = flat[key]
+          b[seg.at:seg.at + seg.hi - seg.lo] = (
+              x[seg.lo:seg.hi] if x.ndim else x)
+
+    self._reset()
+    sums = self._pass(None, on_slice, version)
+    self._commit_version(version, sums, kept)
+    return self._publish(None, None)
+
+  def _reset(self) -> None:
+    """Forgets the committed state (its manifest removed, flushed)."""
+    try:
+      (self.root / MANIFEST).unlink()
+      _disk.sync_directory(self.root)
+    except FileNotFoundError:
+      pass
+    self._version = self._sums = self._step = None
+
+  def _resume(self, record: dict) -> tuple[Any, Any]:
+    if (record.get("plan") != self.plan.signature() or
+        record.get("optimizer") != self.rule.kind.value or
+        len(record.get("small", ())) != self._big.count(False)):
+      raise ValueError(
+          f"{self.root} holds the NVMe tier's state of another model, "
+          "optimizer or NvmeOptions.slice_bytes: resume it with the run "
+          "that wrote it, or pass resume=False or another nvme_path")
+    self._small = _decode(record["small"])
+    self._version, self._sums = record["version"], record["sums"]
+    self._step = record["step"]
+    self.resumed = (None if record["kept"] is None else
+                    _decode(record["kept"]))
+    return self._publish(None, None)
+
+  # ------------------------------------------------------------ update
+
+  def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    self.wait()
+    self._next = 1 - self._version
+    return super().update(*args, **kwargs)
+
+  def _update_leaves(self, k, g, master_blocks, per_leaf, bufs, step,
+                     leaf_done) -> None:
+    del master_blocks, per_leaf  # (the files hold them)
+
+    def on_slice(i: int, b: list[np.ndarray]) -> None:
+      for seg in self.plan.slices[i].segments:
+        j, at, m = seg.leaf, seg.at, seg.hi - seg.lo
+        out = (_kernels.NOTHING if bufs is None else
+               _kernels.as_kernel_array(bufs[j][0])[seg.lo:seg.hi])
+        self._run(k, b[0][at:at + m], g[j][0][seg.lo:seg.hi],
+                  [x[at:at + m] for x in b[1:]], out, *step, self._decay[j])
+      for j in self._ends.get(i, ()):
+        leaf_done(j)
+
+    self._new_sums = self._pass(self._version, on_slice, self._next)
+
+  def cast(self, master: Any, compute_dtype: Any) -> Any:
+    """The compute copy, read from the files a slice at a time."""
+    self.wait()
+    i, bufs = self._copy_buffer(compute_dtype)
+    if bufs is None:
+      return master
+    k = _kernels.kernels()
+
+    def on_slice(s: int, b: list[np.ndarray]) -> None:
+      for seg in self.plan.slices[s].segments:
+        k.cast(b[0][seg.at:seg.at + seg.hi - seg.lo],
+               _kernels.as_kernel_array(bufs[seg.leaf][0])[seg.lo:seg.hi])
+
+    self._pass(self._version, on_slice, None)
+    return self._copy_tree(i, bufs)
+
+  # ---------------------------------------------------------- reporting
+
+  def host_bytes(self, copy_dtype: Any, grad_dtype: Any,
+                 background: bool = False) -> int:
+    """Host RAM: the compute copy and gradients as ``FusedUpdate``'s, and
+    the slices' budget in place of the state."""
+    return (super().host_bytes(copy_dtype, grad_dtype, background) -
+            self.state_bytes() + self.options.budget_bytes)
+
+  def disk_bytes(self) -> int:
+    """Bytes of one version of the files (two are kept)."""
+    return sum(self.plan.file_bytes(t) for t in range(len(self.plan.dtypes)))
+
+  def describe(self) -> str:
+    o, plan = self.options, self.plan
+    per = sum(d.itemsize for d in plan.dtypes)
+    direct = all(f.direct for f in self._files.values()) and o.direct
+    line = (
+        f"{super().describe()}; NVMe tier: master and state in files under "
+        f"{str(self.root)!r}, two versions of {self.disk_bytes() / 2**30:,.2f}"
+        f" GiB ({'O_DIRECT' if direct else 'through the page cache'}), "
+        f"{len(plan.slices)} slice(s) of up to {plan.slice_elements:,} "
+        f"parameters; {o.budget_bytes / 2**20:,.0f} MiB of host RAM for "
+        f"{o.buffer_count} slices, {o.in_flight} requests in flight of up "
+        f"to {o.block_bytes / 2**20:g} MiB; per step {per} bytes a "
+        f"parameter read and {per} written, gradients kept in RAM")
+    if self.io.get("seconds"):
+      s = self.io["seconds"]
+      line += (f"; the last pass: {self.io['read'] / s / 1e9:.2f} GB/s read"
+               f", {self.io['written'] / s / 1e9:.2f} GB/s written")
+    return line
+
+  def close(self) -> None:
+    """Waits for the update, closes the files and the I/O threads."""
+    self.wait()
+    for f in self._files.values():
+      f.close()
+    self._files.clear()
+    if self._pool is not None:
+      self._pool.close()
+      self._pool = None
