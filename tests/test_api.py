@@ -188,7 +188,8 @@ def test_the_top_level_api_is_the_curated_list_and_nothing_else():
   assert zj.__all__ == [
       "CheckpointConflictError", "CheckpointCorruptError",
       "CheckpointWriteError", "Checkpointer", "Engine", "Layout",
-      "LossScaleState", "REMAT_POLICIES", "RematPolicy", "StepFailedError",
+      "LossScaleState", "NvmeOptions", "REMAT_POLICIES", "RematPolicy",
+      "StepFailedError",
       "TrainState",
       "ZeroConfig", "analysis", "checkpoint_name", "distributed",
       "estimate_activations", "estimate_comm", "estimate_memory",

@@ -43,7 +43,10 @@ _BAD = {
     "hysteresis": [0, 2.0, "2", 2 ** 31],
     "min_loss_scale": [_NAN, _INF, 0, -1.0, "1", 2.0 ** 17],
     "consecutive_hysteresis": [1, 0, "yes", None],
-    "offload_optimizer": ["cpu", "nvme", True, ["host"]],
+    "offload_optimizer": ["cpu", "disk", True, ["host"]],
+    "nvme_path": ["", " ", 5, b"/mnt"],
+    "nvme": [5, "fast", {"buffer_count": 0}, {"bogus": 1},
+             {"block_bytes": 5000}, {"resume": "yes"}],
     "offload_params": ["cpu", True, ["host"]],
     "update_on": ["gpu", None, True],
     "delay_update": [1, 0, "no", None],
@@ -59,8 +62,11 @@ _BAD = {
 }
 # Fields that only make sense next to others: without these the error would
 # be about the combination, not about the value under test.
+_NVME = {"offload_optimizer": "nvme", "update_on": "host"}
 _CONTEXT = {
     "offload_params": {"stage": 3},
+    "nvme_path": _NVME,
+    "nvme": {**_NVME, "nvme_path": "/mnt/nvme"},
 }
 
 
@@ -186,6 +192,12 @@ def test_existing_messages_still_match():
     zj.ZeroConfig(stage=2, offload_params="host")
   with pytest.raises(ValueError, match="NVMe"):
     zj.ZeroConfig(offload_optimizer="nvme")
+  with pytest.raises(ValueError, match="set update_on='host'"):
+    zj.ZeroConfig(offload_optimizer="nvme", nvme_path="/mnt/nvme")
+  with pytest.raises(ValueError, match="nvme_path='/x' is read only with"):
+    zj.ZeroConfig(nvme_path="/x")
+  with pytest.raises(ValueError, match="parameters on NVMe are not"):
+    zj.ZeroConfig(stage=3, offload_params="nvme")
   with pytest.raises(ValueError, match=r"write \('x',\)"):
     zj.ZeroConfig(remat="save_only_named", remat_names="x")
 

@@ -116,14 +116,6 @@ def test_deprecated_zero_optimization_true_is_stage_1():
     assert zj.from_deepspeed({"zero_optimization": True}).stage == 1
 
 
-def test_nvme_optimizer_offload_errors_even_when_warning():
-  config = {"zero_optimization": {"stage": 3, "offload_optimizer": {
-      "device": "nvme", "nvme_path": "/local_nvme"}}}
-  for mode in ("error", "warn"):
-    with pytest.raises(ValueError, match=r"offload_optimizer\.device.*nvme"):
-      zj.from_deepspeed(config, unsupported=mode)
-
-
 def test_optimizer_offload_options_are_accepted():
   cfg = _load({"zero_optimization": {"stage": 3, "offload_optimizer": {
       "device": "cpu", "pin_memory": True, "buffer_count": 4,

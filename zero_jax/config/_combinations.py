@@ -128,8 +128,9 @@ def _check_nvme(config: Any) -> None:
   nvme = config.offload_optimizer == "nvme"
   if nvme and config.nvme_path is None:
     raise ValueError(
-        "ZeroConfig.offload_optimizer='nvme' keeps the optimizer state in "
-        "files: set nvme_path to a directory on a fast local disk")
+        "ZeroConfig.offload_optimizer='nvme' (NVMe offload) keeps the "
+        "optimizer state in files; set nvme_path to a directory on a fast "
+        "local disk")
   if config.nvme_path is not None and not nvme:
     raise ValueError(
         f"ZeroConfig.nvme_path={config.nvme_path!r} is read only with "

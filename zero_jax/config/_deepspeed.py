@@ -248,8 +248,9 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
     ValueError: a value has the wrong type, an ``"auto"`` is left unfilled
       (all are listed, each with the keyword that fills it), fp16 and bf16
       are both enabled, NVMe offload lacks its ``nvme_path`` or asks for
-      parameters on NVMe, the file is not valid JSON, or (with ``unsupported="error"``) a key is not
-      supported; the message names the dotted key.
+      parameters on NVMe, the file is not valid JSON, or (with
+      ``unsupported="error"``) a key is not supported; the message names
+      the dotted key.
     FileNotFoundError: ``config`` is a path that does not exist.
     TypeError: ``config`` is neither a path nor a mapping, or a keyword is
       unknown.

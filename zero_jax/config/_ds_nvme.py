@@ -142,10 +142,10 @@ def _in_flight(t: Any, values: Mapping[str, int]) -> None:
   if len({value for _, value in named}) > 1:
     keys = " and ".join(f"{p + leaf!r} ({value})" for leaf, value in named)
     raise ValueError(
-        f"DeepSpeed config keys {keys} are one DeepSpeed setting (thread_count is "
-        "intra_op_parallelism's name before DeepSpeed 0.16.4, num_threads "
-        "the name DeepNVMe's ds_nvme_tune writes) with different values; "
-        "keep one of them: aio.intra_op_parallelism")
+        f"DeepSpeed config keys {keys} are one DeepSpeed setting "
+        "(thread_count is intra_op_parallelism's name before DeepSpeed "
+        "0.16.4, num_threads the name DeepNVMe's ds_nvme_tune writes) with "
+        "different values; keep one of them: aio.intra_op_parallelism")
   if not named and "queue_depth" not in values:
     return
   if named:

@@ -98,7 +98,7 @@ class NvmeOptions:
                          f"fields are {sorted(names)}")
       return cls(**value)
     fail("ZeroConfig.nvme", "NvmeOptions, a mapping of its fields or None",
-         value)
+         value, "e.g. zero_jax.NvmeOptions(buffer_count=4)")
 
 
 def offload_fields(config: Any) -> dict[str, Any]:
@@ -129,9 +129,14 @@ def offload_fields(config: Any) -> dict[str, Any]:
         "updates it on the host's CPU devices.")
   check("delay_update", check_bool,
         "True (with update_on='host') applies each update one step late.")
-  out["nvme"] = NvmeOptions.of(config.nvme)
+  try:
+    out["nvme"] = NvmeOptions.of(config.nvme)
+  except ValueError as e:
+    raise ValueError(f"ZeroConfig.nvme={config.nvme!r} is not valid: {e}"
+                     ) from e
+  fix = "name a directory on a fast local disk (each process writes in it)"
   if config.nvme_path is not None:
-    check("nvme_path", check_str, "a directory on a local disk")
+    check("nvme_path", check_str, fix)
     if not out["nvme_path"].strip():
-      fail("ZeroConfig.nvme_path", "a directory", config.nvme_path)
+      fail("ZeroConfig.nvme_path", "a directory", config.nvme_path, fix)
   return out

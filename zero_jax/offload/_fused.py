@@ -322,11 +322,14 @@ class FusedUpdate:
     i, bufs = self._copy_buffer(compute_dtype)
     if bufs is None:
       return master
-    k = _kernels.kernels()
+    self._cast_into(_kernels.kernels(), master, bufs)
+    return self._copy_tree(i, bufs)
+
+  def _cast_into(self, k, master: Any, bufs: list) -> None:
+    """``master`` cast into the copy buffers ``bufs`` by kernels ``k``."""
     for ps, outs in zip(self._blocks(master), bufs):
       for p, out in zip(ps, outs):
         k.cast(p.reshape(-1), _kernels.as_kernel_array(out))
-    return self._copy_tree(i, bufs)
 
   def update(self, grads: Any, master: Any, opt_state: Any, extra: Any, *,
              prepare: Callable[..., tuple[Any, Any, Any]],

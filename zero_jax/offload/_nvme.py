@@ -267,7 +267,7 @@ class NvmeUpdate(FusedUpdate):
     """Names ``version`` committed, with the step's small state."""
     step = None
     if kept is not None:
-      step = int(np.asarray(jax.tree.leaves(kept)[0]))
+      step = int(np.asarray(kept["step"]))
       kept = _encode(jax.tree.leaves(kept))
     write_manifest(self.root, {
         "format": _FORMAT, "version": version, "step": step,
@@ -297,7 +297,10 @@ class NvmeUpdate(FusedUpdate):
     small = iter(self._small)
     opt = [next(big) if b else next(small) for b in self._big]
     opt_state = jax.tree.unflatten(jax.tree.structure(self.opt_shapes), opt)
-    return super()._publish(master, opt_state)
+    # (New views, the live ones from now on, as FusedUpdate's.)
+    master, opt_state = jax.tree.map(lambda x: x.view(), (master, opt_state))
+    self._live = {id(x): x for x in jax.tree.leaves((master, opt_state))}
+    return master, opt_state
 
   def _map(self, kind: int, leaf: int, version: int) -> np.ndarray:
     dtype = self.plan.dtypes[kind]
@@ -426,13 +429,10 @@ class NvmeUpdate(FusedUpdate):
 
     self._new_sums = self._pass(self._version, on_slice, self._next)
 
-  def cast(self, master: Any, compute_dtype: Any) -> Any:
-    """The compute copy, read from the files a slice at a time."""
-    self.wait()
-    i, bufs = self._copy_buffer(compute_dtype)
-    if bufs is None:
-      return master
-    k = _kernels.kernels()
+  def _cast_into(self, k, master: Any, bufs: list) -> None:
+    """The compute copy into ``bufs``, read from the files a slice at a
+    time."""
+    del master  # (views of the files)
 
     def on_slice(s: int, b: list[np.ndarray]) -> None:
       for seg in self.plan.slices[s].segments:
@@ -440,7 +440,6 @@ class NvmeUpdate(FusedUpdate):
                _kernels.as_kernel_array(bufs[seg.leaf][0])[seg.lo:seg.hi])
 
     self._pass(self._version, on_slice, None)
-    return self._copy_tree(i, bufs)
 
   # ---------------------------------------------------------- reporting
 

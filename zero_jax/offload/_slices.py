@@ -3,11 +3,10 @@ an update reads, updates and writes in turn.
 
 Every tensor kind (the fp32 master, then each parameter-shaped part of the
 optimizer state: Adam's mu, then nu) has a file per version, holding every
-leaf flat, one after another, each starting on a multiple of ``ALIGN``
-elements (so on a 4 KiB boundary in any dtype, as ``O_DIRECT`` needs).
-A slice is a run of ``ALIGN``-aligned elements of that space, the same in
-every kind's file: its leaves' pieces (``Segment``) are what the kernels
-update.
+leaf flat, one after another, each starting on a 4 KiB boundary of every
+kind's file (as ``O_DIRECT`` needs). A slice is a run of elements of that
+space, aligned alike, the same in every kind's file: its leaves' pieces
+(``Segment``) are what the kernels update.
 """
 
 from __future__ import annotations
@@ -78,13 +77,16 @@ class DiskPlan:
          slice_bytes: int) -> "DiskPlan":
     """The layout of leaves of ``sizes`` elements in kinds of ``dtypes``,
     cut into slices of at most ``slice_bytes`` (every kind together; at
-    least ``ALIGN`` elements)."""
+    least 4 KiB of each)."""
+    # (Elements per 4 KiB of the narrowest kind: every kind's offsets are
+    # then whole 4 KiB blocks.)
+    align = ALIGN // min(np.dtype(d).itemsize for d in dtypes)
     offsets, at = [], 0
     for n in sizes:
       offsets.append(at)
-      at += _round_up(max(n, 1), ALIGN)
+      at += _round_up(max(n, 1), align)
     per = sum(np.dtype(d).itemsize for d in dtypes)
-    s = max(ALIGN, slice_bytes // per // ALIGN * ALIGN)
+    s = max(align, slice_bytes // per // align * align)
     slices = []
     for start in range(0, at, s):
       stop = min(start + s, at)
