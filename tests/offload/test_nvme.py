@@ -251,3 +251,31 @@ def test_the_users_deepspeed_json_with_nvme_trains_as_host_offload(
   ref_losses, ref, _ = m.train_engine(host, params, batches)
   assert losses == ref_losses
   _equal(engine.gather_params(state), ref)
+
+
+def test_a_save_goes_on_in_the_background_until_its_files_are_rewritten(
+    tmp_path, monkeypatch):
+  # The saved views' files are written two updates later: the save is not
+  # finished before save() returns, nor before the next step, only before
+  # the step after it.
+  params, batches = m.mlp_params(), m.mlp_batches(STEPS)
+  engine = _engine(_optimizer("adamw"), _config("nvme", 3, "bfloat16",
+                                                path=tmp_path / "nvme"))
+  state, _ = m.run_steps(engine, engine.init(params), batches[:1])
+  saved = jax.tree.map(np.array, engine.gather_params(state))
+  waits = []
+  settle = zj.Checkpointer._settle
+  monkeypatch.setattr(zj.Checkpointer, "_settle",
+                      lambda self: (waits.append(1), settle(self)))
+  ckpt = zj.Checkpointer(tmp_path / "ckpt")
+  ckpt.save(state, engine=engine)
+  assert waits == []
+  state, _ = m.run_steps(engine, state, batches[1:2])
+  assert waits == []
+  state, _ = m.run_steps(engine, state, batches[2:3])
+  assert waits == [1]
+  ckpt.close()
+  with zj.Checkpointer(tmp_path / "ckpt", read_only=True) as c:
+    again = c.restore(engine, params)
+  assert int(again.step) == 1
+  _equal(engine.gather_params(again), saved)

@@ -249,6 +249,8 @@ class Checkpointer:
     self._pending = (step, current_operation_id(), sums)
     if offload.in_place(state):
       self._finish()  # (host buffers the next update overwrites in place)
+    else:  # (files the NVMe tier overwrites two updates later)
+      offload.hold(state, self._settle)
     return True
 
   def _set_aside(self, steps: tuple[int, ...], parent_step: int | None
@@ -324,6 +326,14 @@ class Checkpointer:
           "the checkpoint was not committed; see orbax's log above"))
     if pending is not None:
       _last_checkpoint.record(self.directory, pending[0])
+
+  def _settle(self) -> None:
+    """Waits for the pending save (a failure is the next wait's error)."""
+    if not self._closed:
+      try:
+        self._manager.wait_until_finished()
+      except Exception:  # pylint: disable=broad-except
+        pass
 
   def _finish_at_exit(self) -> None:
     """At exit, waits for the pending save and reports a failure on stderr:

@@ -21,7 +21,7 @@ from zero_jax.offload._kernels import NOTHING, as_kernel_array, kernels
 from zero_jax.offload._nvme import NvmeUpdate
 from zero_jax.offload._optimizers import (HostRule, Kind, adagrad, adam,
                                           adamw, lion, rule_of, sgd)
-from zero_jax.offload._registry import in_place, settle
+from zero_jax.offload._registry import hold, in_place, settle
 from zero_jax.offload._separable import Report, Tag, analyze
 from zero_jax.offload._shards import MirroredFused
 from zero_jax.offload._stream import SLICE_BYTES, Streamer
@@ -44,6 +44,7 @@ __all__ = [
     "adamw",
     "analyze",
     "as_kernel_array",
+    "hold",
     "host_devices",
     "in_place",
     "kernels",

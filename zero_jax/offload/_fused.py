@@ -112,6 +112,10 @@ class FusedUpdate:
     """Whether ``x`` is host state this updater writes in place."""
     return self.live(x)
 
+  def hold(self, tree: Any, wait: Callable[[], None]) -> None:
+    """Something reads ``tree`` until ``wait()``: nothing to do where the
+    state is written in place (``owns``: the reader finishes first)."""
+
   # The state as blocks: per leaf, the arrays this process updates (one
   # here: the leaf; ``MirroredFused``: its devices' shards).
 

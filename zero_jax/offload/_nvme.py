@@ -27,8 +27,6 @@ them like any array); the optimizer's scalars live in RAM.
 from __future__ import annotations
 
 import collections
-import json
-import os
 import pathlib
 import time
 from typing import Any, Callable
@@ -41,58 +39,10 @@ import optax
 from zero_jax.offload import _disk, _kernels
 from zero_jax.offload._buffers import aligned
 from zero_jax.offload._fused import FusedUpdate
+from zero_jax.offload._manifest import (FORMAT, MANIFEST, decode, encode,
+                                       read_manifest, write_manifest)
 from zero_jax.offload._optimizers import HostRule
 from zero_jax.offload._slices import DiskPlan
-
-MANIFEST = "manifest.json"
-_FORMAT = 1
-
-
-def read_manifest(root: pathlib.Path) -> dict | None:
-  """The committed record under ``root`` (None: nothing committed)."""
-  path = root / MANIFEST
-  try:
-    text = path.read_text()
-  except FileNotFoundError:
-    return None
-  try:
-    record = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise _disk.DiskError(
-        5, f"{path} is not the NVMe tier's manifest ({e}): the directory "
-        "is damaged; use another nvme_path and restore from a checkpoint"
-    ) from e
-  if not isinstance(record, dict) or record.get("format") != _FORMAT:
-    raise _disk.DiskError(
-        5, f"{path} is not a manifest of this zero_jax's NVMe tier (format "
-        f"{_FORMAT}); use another nvme_path")
-  return record
-
-
-def write_manifest(root: pathlib.Path, record: dict) -> None:
-  """Commits ``record``: written aside, flushed, renamed over the manifest,
-  the directory flushed."""
-  aside = root / (MANIFEST + ".new")
-  with open(aside, "w") as f:
-    json.dump(record, f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(aside, root / MANIFEST)
-  _disk.sync_directory(root)
-
-
-def _encode(leaves: list) -> list:
-  """Small arrays as JSON: [dtype, shape, values]."""
-  out = []
-  for x in leaves:
-    x = np.asarray(x)
-    out.append([x.dtype.name, list(x.shape), x.reshape(-1).tolist()])
-  return out
-
-
-def _decode(rows: list) -> list[np.ndarray]:
-  return [np.array(v, dtype=jnp.dtype(d)).reshape(s) for d, s, v in rows]
-
 
 class NvmeUpdate(FusedUpdate):
   """The fused host optimizer on state that lives in files.
@@ -143,6 +93,9 @@ class NvmeUpdate(FusedUpdate):
     self._new_sums: list | None = None
     self._step: int | None = None
     self._small: list[np.ndarray] = []  # (the optimizer's scalars)
+    self._shown: int | None = None  # (the version the live views show)
+    # Per version, what readers of its views (a save) wait for first.
+    self._holds: dict[int, list[Callable[[], None]]] = {}
     self.io: dict[str, float] = {}  # (the last pass: bytes and seconds)
 
   # ------------------------------------------------------------ files
@@ -268,11 +221,11 @@ class NvmeUpdate(FusedUpdate):
     step = None
     if kept is not None:
       step = int(np.asarray(kept["step"]))
-      kept = _encode(jax.tree.leaves(kept))
+      kept = encode(jax.tree.leaves(kept))
     write_manifest(self.root, {
-        "format": _FORMAT, "version": version, "step": step,
+        "format": FORMAT, "version": version, "step": step,
         "optimizer": self.rule.kind.value, "plan": self.plan.signature(),
-        "sums": sums, "small": _encode(self._small), "kept": kept})
+        "sums": sums, "small": encode(self._small), "kept": kept})
     self._version, self._sums, self._step = version, sums, step
 
   def _commit(self, kept: Any) -> None:
@@ -288,7 +241,7 @@ class NvmeUpdate(FusedUpdate):
     """Read-only views of the version committed (``updated``: the one the
     running update writes), the optimizer's scalars in RAM."""
     del master, opt_state
-    v = self._next if updated else self._version
+    v = self._shown = self._next if updated else self._version
     maps = [[self._map(t, j, v) for j in range(len(self._shapes))]
             for t in range(len(self.plan.dtypes))]
     master = jax.tree.unflatten(jax.tree.structure(self.master_shapes),
@@ -301,6 +254,23 @@ class NvmeUpdate(FusedUpdate):
     master, opt_state = jax.tree.map(lambda x: x.view(), (master, opt_state))
     self._live = {id(x): x for x in jax.tree.leaves((master, opt_state))}
     return master, opt_state
+
+  def owns(self, x: Any) -> bool:
+    """Never: the live views' files are written two updates later, and a
+    save of them holds them until then (``hold``)."""
+    del x
+    return False
+
+  def hold(self, tree: Any, wait: Callable[[], None]) -> None:
+    """A reader of ``tree`` (a save in the background): the next write of
+    the version its views show waits for ``wait()`` first."""
+    if any(self.live(x) for x in jax.tree.leaves(tree)):
+      self._holds.setdefault(self._shown, []).append(wait)
+
+  def _release(self, version: int) -> None:
+    """Waits for the readers of ``version`` before it is written."""
+    for wait in self._holds.pop(version, []):
+      wait()
 
   def _map(self, kind: int, leaf: int, version: int) -> np.ndarray:
     dtype = self.plan.dtypes[kind]
@@ -377,6 +347,7 @@ class NvmeUpdate(FusedUpdate):
           b[seg.at:seg.at + seg.hi - seg.lo] = (
               x[seg.lo:seg.hi] if x.ndim else x)
 
+    self._release(version)
     self._reset()
     sums = self._pass(None, on_slice, version)
     self._commit_version(version, sums, kept)
@@ -399,11 +370,11 @@ class NvmeUpdate(FusedUpdate):
           f"{self.root} holds the NVMe tier's state of another model, "
           "optimizer or NvmeOptions.slice_bytes: resume it with the run "
           "that wrote it, or pass resume=False or another nvme_path")
-    self._small = _decode(record["small"])
+    self._small = decode(record["small"])
     self._version, self._sums = record["version"], record["sums"]
     self._step = record["step"]
     self.resumed = (None if record["kept"] is None else
-                    _decode(record["kept"]))
+                    decode(record["kept"]))
     return self._publish(None, None)
 
   # ------------------------------------------------------------ update
@@ -411,6 +382,7 @@ class NvmeUpdate(FusedUpdate):
   def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     self.wait()
     self._next = 1 - self._version
+    self._release(self._next)
     return super().update(*args, **kwargs)
 
   def _update_leaves(self, k, g, master_blocks, per_leaf, bufs, step,

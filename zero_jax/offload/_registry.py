@@ -3,7 +3,7 @@ before it reads host state that an update writes in place."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 import weakref
 
 import jax
@@ -30,3 +30,11 @@ def settle() -> None:
   checkpoint's save) calls it first."""
   for update in list(PENDING):
     update.wait()
+
+
+def hold(tree: Any, wait: Callable[[], None]) -> None:
+  """Tells every host updater that something reads ``tree`` (a train
+  state) until ``wait()`` returns: one that keeps it in files (the NVMe
+  tier) calls ``wait`` before it overwrites them, two updates later."""
+  for update in list(ALL):
+    update.hold(tree, wait)
