@@ -279,3 +279,28 @@ def test_a_save_goes_on_in_the_background_until_its_files_are_rewritten(
     again = c.restore(engine, params)
   assert int(again.step) == 1
   _equal(engine.gather_params(again), saved)
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_one_cpu_device_takes_the_host_copy_as_its_own(tmp_path, delay):
+  # On one CPU device the compute copy is the host buffer the update
+  # writes (no second copy in RAM); the next update writes it only once the
+  # step that read it is done, so training is the 8-device host tier's.
+  # (With delay_update the device reads one copy while the host writes the
+  # next: a copy of its own.)
+  params, batches = m.mlp_params(), m.mlp_batches(STEPS)
+  runs = []
+  for where, devices in (("nvme", 1), ("host", 1), ("host", 8)):
+    engine = _engine(_optimizer("adamw"), _config(
+        where, 3, "bfloat16", path=tmp_path, delay=delay), devices=devices)
+    losses, out, state = m.train_engine(engine, params, batches)
+    runs.append((losses, out))
+    if devices == 1:
+      copy = jax.tree.leaves(state.compute_params)[0]
+      bufs = [np.asarray(b).ctypes.data for t in engine.layout.update.host
+              ._copies if t for b in jax.tree.leaves(t)]
+      assert (copy.unsafe_buffer_pointer() in bufs) is not delay
+  for losses, out in runs[1:]:
+    np.testing.assert_allclose(losses, runs[0][0], rtol=2e-6)
+  assert runs[0][0] == runs[1][0]
+  _equal(runs[0][1], runs[1][1])

@@ -55,14 +55,14 @@ class FusedUpdate:
     master: the fp32 master as ``jax.ShapeDtypeStruct`` leaves (a tree).
     cpu: the CPU device where restored state arrives and the step's
       scalar programs run.
+    delayed: updates run in the background (``delay_update``).
   """
 
   fused = True
   resumed: Any = None  # (what a tier on disk resumed: ``NvmeUpdate``)
-
   def __init__(self, tx: optax.GradientTransformation, rule: HostRule,
-               master: Any, cpu: Any):
-    self.tx, self.rule, self.cpu = tx, rule, cpu
+               master: Any, cpu: Any, delayed: bool = False):
+    self.tx, self.rule, self.cpu, self.delayed = tx, rule, cpu, delayed
     self.master_shapes = master
     self.opt_shapes = jax.eval_shape(tx.init, master)
     on_cpu = SingleDeviceSharding(cpu)
@@ -217,10 +217,14 @@ class FusedUpdate:
     """``tree`` (host buffers) copied to ``shardings`` (started: JAX's
     copies run asynchronously)."""
     # (The tree's shardings are on one mesh: its first device tells.)
-    first = jax.tree.leaves(shardings)[0]
-    if next(iter(first.device_set)).platform == "cpu":
+    devices = jax.tree.leaves(shardings)[0].device_set
+    if next(iter(devices)).platform == "cpu" and (len(devices) > 1 or
+                                                   self.delayed):
       # JAX's CPU devices take an aligned numpy array as their buffer
-      # (may_alias=False or not): give them one that nothing writes.
+      # (may_alias=False or not): give them one that nothing writes. (One
+      # CPU device takes the buffer itself as the compute copy: without
+      # delay_update the next update writes it once the step that read it
+      # is done, and RAM holds one copy, not two.)
       tree = jax.tree.map(self._detached, tree)
     return self._put(tree, shardings)
 

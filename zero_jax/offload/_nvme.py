@@ -56,11 +56,13 @@ class NvmeUpdate(FusedUpdate):
     cpu: the CPU device where the step's scalar programs run.
     path: ``nvme_path``; this process keeps its files in ``process-<i>``.
     options: ``NvmeOptions``.
+    delayed: as ``FusedUpdate``'s.
   """
 
   def __init__(self, tx: optax.GradientTransformation, rule: HostRule,
-               master: Any, cpu: Any, path: str, options: Any):
-    super().__init__(tx, rule, master, cpu)
+               master: Any, cpu: Any, path: str, options: Any,
+               delayed: bool = False):
+    super().__init__(tx, rule, master, cpu, delayed)
     self.options = options
     self.root = pathlib.Path(path) / f"process-{jax.process_index()}"
     leaves = jax.tree.leaves(master)

@@ -458,10 +458,12 @@ def _host_update(tx: optax.GradientTransformation, master: Any,
           "offload_optimizer='host' across processes")
     return offload.NvmeUpdate(tx, rule, master,
                               offload.host_devices(mesh)[0],
-                              config.nvme_path, config.nvme)
+                              config.nvme_path, config.nvme,
+                              config.delay_update)
   if mirrored is None and rule is not None:
     return offload.FusedUpdate(tx, rule, master,
-                               offload.host_devices(mesh)[0])
+                               offload.host_devices(mesh)[0],
+                               config.delay_update)
   if mirrored is not None:
     specs = [jax.tree.map(lambda s: s.spec, p.shardings) for p in mirrored]
     if rule is not None:
