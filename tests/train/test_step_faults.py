@@ -41,6 +41,7 @@ def _run_worker(out, *scenarios: str) -> tuple[dict, object]:
                 f"s: {(e.stdout or b'')[-3000:]!r}")
   log = proc.stdout + proc.stderr
   assert proc.returncode == 0 and "DONE" in proc.stdout, log[-5000:]
+  (out / "stderr.txt").write_text(proc.stderr)
   with open(out / "results.json", encoding="utf-8") as f:
     return json.load(f), out
 
@@ -115,6 +116,18 @@ def test_an_oom_shown_at_the_next_step_names_the_step_the_state_and_fix(
       # (the checkpoint the Checkpointer saved before the failure)
       f"zero_jax.Checkpointer({ckpt!r}).restore(engine, params, step=2)",
       "engine.init(params)")
+
+
+def test_an_oom_is_explained_on_stderr_as_it_happens(worker):
+  # The user's own read of the metrics raises JAX's bare error; the
+  # explanation is printed as the step fails, once per failure.
+  log = (worker[1] / "stderr.txt").read_text()
+  _assert_names(log, "zero_jax: engine.step: step 3 failed at run time "
+                "(RESOURCE_EXHAUSTED", "It ran out of memory",
+                "donated to it and is gone", "reading its metrics raises it",
+                "the next engine.step raises StepFailedError")
+  assert log.count("step 3 failed at run time (RESOURCE_EXHAUSTED") == 2, (
+      log)  # (the two scenarios that run out of memory)
 
 
 def test_a_retry_with_the_lost_state_says_so_and_never_reraises(worker):

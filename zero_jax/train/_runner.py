@@ -13,7 +13,7 @@ import jax
 
 from zero_jax import _heartbeat, _last_checkpoint
 from zero_jax.config import RematPolicy
-from zero_jax.train import _accumulate, _checks, _global
+from zero_jax.train import _accumulate, _checks, _global, _watch
 from zero_jax.train._state import TrainState
 from zero_jax.train._train_step import jit_step
 
@@ -249,11 +249,13 @@ class StepFunction:
     skipped = None
     if not layout.placement.loss_scaling and layout.config.skip_nonfinite:
       skipped = metrics["skipped"]
-    self._pending.append(_Dispatched(
+    d = _Dispatched(
         number=number, given=state.step, given_lost=_lost(state),
         returned=new.step, at_min=at_min, skipped=skipped,
         outputs=tuple(x for x in (metrics["loss"], skipped, at_min)
-                      if x is not None)))
+                      if x is not None))
+    self._pending.append(d)
+    _watch.watch(d.outputs, self._explain(d))
     self._returned, self._number = new, number
     # The launcher's watchdog (--watchdog) sees progress. (The flags read
     # at the next call wait for this step, so a hung step stops it.)
@@ -327,6 +329,18 @@ class StepFunction:
     return StepFailedError(
         f"engine.step: {_name(number)} failed at run time "
         f"({_summary(error)}). {_fix(error, self._remat())} {fate}")
+
+  def _explain(self, d: _Dispatched) -> Any:
+    """What the watcher prints the moment step ``d`` fails at run time."""
+    remat = self._remat()
+    given = ("was donated to it and is gone" if d.given_lost else
+             "was not donated and is unchanged")
+    return lambda error: (
+        f"zero_jax: engine.step: {_name(d.number)} failed at run time "
+        f"({_summary(error)}). {_fix(error, remat)} The state given to it "
+        f"{given}; the state it returned holds this error instead of "
+        "values (reading its metrics raises it), and the next engine.step "
+        f"raises StepFailedError. {_recovery()}")
 
   def _failed_late(self, error: BaseException) -> StepFailedError:
     """The error for a failure seen in a flag read one step late."""
