@@ -23,13 +23,15 @@ class NvmeOptions:
   Attributes:
     slice_bytes: master and optimizer state of one slice, in bytes (all of
       a slice's tensors together): the unit that is read, updated and
-      written while the next is read and the last written.
+      written while the next is read and the last written (128 MiB: 512
+      MiB of RAM with 4 buffers).
     buffer_count: slices host RAM holds at once (DeepSpeed's
       ``offload_optimizer.buffer_count``): the budget is ``buffer_count *
       slice_bytes``. 3 lets the read of slice i+1 and the write of slice
       i-1 overlap the update of slice i; 1 runs them one after another.
-    in_flight: I/O requests in flight at once, each from a thread of its
-      own (DeepSpeed's ``aio.intra_op_parallelism * aio.queue_depth``).
+    in_flight: I/O requests in flight at once in each direction, each
+      from a thread of its own (DeepSpeed's ``aio.intra_op_parallelism *
+      aio.queue_depth``).
     block_bytes: the largest request, a multiple of 4096 (DeepSpeed's
       ``aio.block_size``).
     read_ahead: read slice i+1 while slice i is updated (DeepSpeed's
@@ -46,7 +48,7 @@ class NvmeOptions:
       False starts afresh over it.
   """
 
-  slice_bytes: int = 64 * _MIB
+  slice_bytes: int = 128 * _MIB
   buffer_count: int = 4
   in_flight: int = 8
   block_bytes: int = 8 * _MIB
@@ -59,7 +61,7 @@ class NvmeOptions:
     check = lambda name, f, *a, **k: object.__setattr__(
         self, name, f(f"NvmeOptions.{name}", getattr(self, name), *a, **k))
     check("slice_bytes", check_int, ALIGN,
-          fix="slices are at least 4096 bytes; 64 MiB (the default) keeps "
+          fix="slices are at least 4096 bytes; 128 MiB (the default) keeps "
           "requests large and the budget small")
     check("buffer_count", check_int, 1,
           fix="3 or more overlaps reads and writes with the update")

@@ -18,9 +18,10 @@ import os
 import pathlib
 import threading
 from typing import Callable
-import zlib
 
 import numpy as np
+
+from zero_jax.offload import _kernels
 
 _DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -97,18 +98,21 @@ class File:
 
 
 class Pool:
-  """The I/O threads: each request runs on one, ``in_flight`` at a time.
+  """The I/O threads: each request runs on one, ``in_flight`` reads and
+  ``in_flight`` writes at a time (reads do not queue behind writes).
 
   Args:
-    in_flight: threads, so requests in flight.
+    in_flight: threads per direction, so requests in flight.
     block_bytes: the largest request; bigger reads and writes are split.
   """
 
   def __init__(self, in_flight: int, block_bytes: int):
     self.block_bytes = block_bytes
-    self._threads = concurrent.futures.ThreadPoolExecutor(
-        in_flight, thread_name_prefix="zero_jax-nvme")
+    self._reads, self._writes = (concurrent.futures.ThreadPoolExecutor(
+        in_flight, thread_name_prefix=f"zero_jax-nvme-{d}")
+                                 for d in ("read", "write"))
     self._lock = threading.Lock()
+    self._sum = _kernels.kernels().checksum
     self.bytes_read = self.bytes_written = 0
 
   def _split(self, buf: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -125,18 +129,18 @@ class Pool:
            sums: list[int] | None = None, step: int | None = None
            ) -> list[concurrent.futures.Future]:
     """Starts reading ``buf`` from ``file`` at ``offset``, a request per
-    block, each checked against its CRC-32 in ``sums`` (None: not
+    block, each checked against its checksum in ``sums`` (None: not
     checked) as soon as it arrives; ``step``: the committed step the file
     holds, for the error."""
-    return [self._threads.submit(self._read, file, b, offset + i,
-                                 None if sums is None else sums[n], step)
+    return [self._reads.submit(self._read, file, b, offset + i,
+                               None if sums is None else sums[n], step)
             for n, (i, b) in enumerate(self._split(buf))]
 
   def _read(self, file: File, b: np.ndarray, offset: int,
             expect: int | None, step: int | None) -> None:
     file.read(b, offset)
     self._count(b.size, 0)
-    if expect is not None and zlib.crc32(b) != expect:
+    if expect is not None and self.checksum(b) != expect:
       raise DiskError(
           errno.EIO, f"{file.path}: the {b.size:,} bytes at offset "
           f"{offset:,} do not match their checksum of step {step} (a torn "
@@ -145,21 +149,26 @@ class Pool:
   def write(self, file: File, buf: np.ndarray, offset: int
             ) -> list[concurrent.futures.Future]:
     """Starts writing ``buf`` to ``file`` at ``offset``, a request per
-    block; each future's result is its block's CRC-32."""
-    return [self._threads.submit(self._write, file, b, offset + i)
+    block; each future's result is its block's checksum."""
+    return [self._writes.submit(self._write, file, b, offset + i)
             for i, b in self._split(buf)]
 
   def _write(self, file: File, b: np.ndarray, offset: int) -> int:
     file.write(b, offset)
     self._count(0, b.size)
-    return zlib.crc32(b)
+    return self.checksum(b)
+
+  def checksum(self, b: np.ndarray) -> int:
+    """``b``'s checksum (``_loops.checksum``: whole 8-byte words)."""
+    return int(self._sum(b.view(np.uint64)))
 
   def run(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-    """Runs ``fn`` on an I/O thread (a checksum, a sync)."""
-    return self._threads.submit(fn)
+    """Runs ``fn`` on a writing thread (a sync)."""
+    return self._writes.submit(fn)
 
   def close(self) -> None:
-    self._threads.shutdown(wait=True)
+    for threads in (self._reads, self._writes):
+      threads.shutdown(wait=True)
 
 
 def done(futures: list[concurrent.futures.Future]) -> None:

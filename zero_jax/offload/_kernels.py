@@ -50,7 +50,8 @@ def kernels() -> _types.SimpleNamespace:
       sumsq=_loops.sumsq, update=_loops.update, adam=_loops.adam,
       lion=_loops.lion, sgd=_loops.sgd, adagrad=_loops.adagrad,
       torch_sgd=_loops.torch_sgd, torch_adagrad=_loops.torch_adagrad,
-      cast=_loops.cast, set_threads=_loops.numba.set_num_threads,
+      cast=_loops.cast, checksum=_loops.checksum,
+      set_threads=_loops.numba.set_num_threads,
       max_threads=_loops.numba.config.NUMBA_NUM_THREADS)
 
 

@@ -1,8 +1,8 @@
 """The NVMe tier's manifest: the one file that names the committed version
-of the state files, the step, the small state and every request's CRC-32.
-It is replaced whole (written aside, flushed, renamed, the directory
-flushed), so a process killed at any point leaves the old one or the new
-one, never a part."""
+of the state files, the step, the small state and every request's
+checksum. It is replaced whole (written aside, flushed, renamed, the
+directory flushed), so a process killed at any point leaves the old one
+or the new one, never a part."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ Crash consistency: each kind of tensor has two files, versions 0 and 1. A
 step reads the committed version and writes the other; once every write
 is flushed (``fsync``), ``manifest.json`` is replaced (written aside,
 flushed, renamed, the directory flushed) to name the new version, the
-step, the loss scale, the optimizer's scalars and a CRC-32 per request.
+step, the loss scale, the optimizer's scalars and a checksum per request.
 A process killed anywhere leaves the committed version whole: a restart
-with ``NvmeOptions(resume=True)`` reads it, and every read checks its CRC,
+with ``NvmeOptions(resume=True)`` reads it, and every read checks its sum,
 so a torn or flipped file is an error naming the file and the step.
 
 The train state's master and optimizer state are read-only
@@ -91,7 +91,7 @@ class NvmeUpdate(FusedUpdate):
     self._slots: list[list[np.ndarray]] | None = None
     self._version: int | None = None  # (the committed one)
     self._next: int | None = None  # (the one the running update writes)
-    self._sums: list | None = None  # (per kind, slice: each request's CRC)
+    self._sums: list | None = None  # (per kind, slice: request checksums)
     self._new_sums: list | None = None
     self._step: int | None = None
     self._small: list[np.ndarray] = []  # (the optimizer's scalars)
@@ -127,12 +127,17 @@ class NvmeUpdate(FusedUpdate):
 
   def _pass(self, read_from: int | None,
             on_slice: Callable[[int, list[np.ndarray]], None],
-            write_to: int | None) -> list | None:
+            write_to: int | None, kinds: tuple[int, ...] | None = None
+            ) -> list | None:
     """One pass over the slices: each read from version ``read_from``
     (None: not read; its buffers zeroed), ``on_slice(i, buffers)``, then
     written to version ``write_to`` (None: not written) and the files
-    flushed. Returns the written requests' CRCs (per kind, per slice)."""
+    flushed; only the tensor ``kinds`` given are read (default: all).
+    Slices are read ahead into every free buffer (the next one waiting
+    for the oldest write if it must). Returns the written requests'
+    checksums (per kind, per slice)."""
     plan, o, pool = self.plan, self.options, self._io()
+    kinds = tuple(range(len(plan.dtypes))) if kinds is None else kinds
     slots = self._slot_buffers()
     free = list(range(len(slots)))
     reading: dict[int, tuple[int, list]] = {}
@@ -155,8 +160,12 @@ class NvmeUpdate(FusedUpdate):
       waited["write"] += time.perf_counter() - t0
       free.append(slot)
 
-    def start(i: int) -> None:
+    def start(i: int, wait: bool) -> bool:
+      while writing and all(f.done() for fs in writing[0][2] for f in fs):
+        retire()  # (writes already done: their buffers are free)
       if not free:
+        if not (wait and writing):
+          return False
         retire()
       slot = free.pop()
       bufs = views(slot, i)
@@ -164,21 +173,23 @@ class NvmeUpdate(FusedUpdate):
         for b in bufs:
           b[...] = 0
         reading[i] = (slot, [])
-        return
+        return True
       reading[i] = (slot, [pool.read(
-          self._file(t, read_from), b, plan.slices[i].start * b.itemsize,
-          self._sums[t][i], self._step) for t, b in enumerate(bufs)])
+          self._file(t, read_from), bufs[t],
+          plan.slices[i].start * bufs[t].itemsize, self._sums[t][i],
+          self._step) for t in kinds])
+      return True
 
     ahead = -1
     try:
       for i in range(len(plan.slices)):
         if i not in reading:
-          start(i)
+          start(i, wait=True)
           ahead = max(ahead, i)
-        while (o.read_ahead and read_from is not None and free and
-               ahead + 1 < len(plan.slices)):
+        while (o.read_ahead and read_from is not None and
+               ahead + 1 < len(plan.slices) and
+               start(ahead + 1, wait=ahead + 1 == i + 1)):
           ahead += 1
-          start(ahead)
         slot, futures = reading.pop(i)
         t0 = time.perf_counter()
         for fs in futures:
@@ -413,7 +424,13 @@ class NvmeUpdate(FusedUpdate):
         k.cast(b[0][seg.at:seg.at + seg.hi - seg.lo],
                _kernels.as_kernel_array(bufs[seg.leaf][0])[seg.lo:seg.hi])
 
-    self._pass(self._version, on_slice, None)
+    self._pass(self._version, on_slice, None, kinds=(0,))
+
+  def verify(self) -> None:
+    """Reads every file of the committed state and checks each request
+    against its checksum (``DiskError`` names the first that differs)."""
+    self.wait()
+    self._pass(self._version, lambda i, b: None, None)
 
   # ---------------------------------------------------------- reporting
 
@@ -442,9 +459,12 @@ class NvmeUpdate(FusedUpdate):
         f"to {o.block_bytes / 2**20:g} MiB; per step {per} bytes a "
         f"parameter read and {per} written, gradients kept in RAM")
     if self.io.get("seconds"):
-      s = self.io["seconds"]
-      line += (f"; the last pass: {self.io['read'] / s / 1e9:.2f} GB/s read"
-               f", {self.io['written'] / s / 1e9:.2f} GB/s written")
+      io = self.io
+      line += (f"; the last pass read {io['read'] / 1e9:,.2f} GB and wrote "
+               f"{io['written'] / 1e9:,.2f} GB in {io['seconds']:.2f} s "
+               f"({(io['read'] + io['written']) / io['seconds'] / 1e9:.2f} "
+               f"GB/s), {io['waiting for reads']:.2f} s of it waiting for "
+               "reads")
     return line
 
   def close(self) -> None:
