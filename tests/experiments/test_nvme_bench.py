@@ -59,7 +59,8 @@ def test_bandwidth_table_is_measured_written_and_cleaned_up(tmp_path):
   raw = [line for line in lines if " requests |" in line]
   assert {_cells(line)[0] for line in raw} == {
       "1 thread, 64 MiB requests", "4 in flight, 4 MiB requests",
-      "8 in flight, 8 MiB requests"}, raw
+      "8 in flight, 4 MiB requests", "8 in flight, 8 MiB requests",
+      "16 in flight, 8 MiB requests"}, raw
   assert "--gib 0.05 --rounds 1" in text  # (the command, in the report)
   # The raw file and both tiers' files deleted.
   assert list(disk.iterdir()) == []
