@@ -122,8 +122,17 @@ class NvmeUpdate(FusedUpdate):
     if self._slots is None:
       s = self.plan.slice_elements
       self._slots = [[aligned((s,), d) for d in self.plan.dtypes]
-                     for _ in range(self.options.buffer_count)]
+                     for _ in range(self._buffers())]
     return self._slots
+
+  def _buffers(self) -> int:
+    """Slices in RAM at once: ``buffer_count``, or fewer if there are."""
+    return min(self.options.buffer_count, len(self.plan.slices))
+
+  def budget_bytes(self) -> int:
+    """Host RAM the slices in flight take."""
+    return self._buffers() * self.plan.slice_elements * sum(
+        d.itemsize for d in self.plan.dtypes)
 
   def _pass(self, read_from: int | None,
             on_slice: Callable[[int, list[np.ndarray]], None],
@@ -439,7 +448,7 @@ class NvmeUpdate(FusedUpdate):
     """Host RAM: the compute copy and gradients as ``FusedUpdate``'s, and
     the slices' budget in place of the state."""
     return (super().host_bytes(copy_dtype, grad_dtype, background) -
-            self.state_bytes() + self.options.budget_bytes)
+            self.state_bytes() + self.budget_bytes())
 
   def disk_bytes(self) -> int:
     """Bytes of one version of the files (two are kept)."""
@@ -454,8 +463,9 @@ class NvmeUpdate(FusedUpdate):
         f"{str(self.root)!r}, two versions of {self.disk_bytes() / 2**30:,.2f}"
         f" GiB ({'O_DIRECT' if direct else 'through the page cache'}), "
         f"{len(plan.slices)} slice(s) of up to {plan.slice_elements:,} "
-        f"parameters; {o.budget_bytes / 2**20:,.0f} MiB of host RAM for "
-        f"{o.buffer_count} slices, {o.in_flight} requests in flight of up "
+        f"parameters; {self.budget_bytes() / 2**20:,.1f} MiB of host RAM "
+        f"for {self._buffers()} slices, {o.in_flight} requests in flight "
+        "each way of up "
         f"to {o.block_bytes / 2**20:g} MiB; per step {per} bytes a "
         f"parameter read and {per} written, gradients kept in RAM")
     if self.io.get("seconds"):

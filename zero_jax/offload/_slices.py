@@ -86,7 +86,7 @@ class DiskPlan:
       offsets.append(at)
       at += _round_up(max(n, 1), align)
     per = sum(np.dtype(d).itemsize for d in dtypes)
-    s = max(align, slice_bytes // per // align * align)
+    s = min(max(align, slice_bytes // per // align * align), at)
     slices = []
     for start in range(0, at, s):
       stop = min(start + s, at)
