@@ -137,6 +137,12 @@ def test_resume_is_asked_for_and_continues_bit_for_bit(tmp_path):
   other = jax.tree.map(lambda x: x[..., :1], params)
   with pytest.raises(ValueError, match="another model"):
     make(True).init(other)
+  # Afresh over another model's files: they are made to this one's size,
+  # and its state is what a resume finds.
+  engine = make(False)
+  engine.init(other)
+  again = make(True)
+  _equal(again.gather_params(again.init(other)), other)
 
 
 def test_short_read_and_flipped_bits_name_the_file(tmp_path):

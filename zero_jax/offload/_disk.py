@@ -37,11 +37,14 @@ class File:
   Args:
     path: the file.
     size: its size in bytes (a multiple of 4096); a new file is made this
-      large (sparse), an existing one must be.
+      large (sparse), an existing one must be (or is made so: ``resize``).
     direct: open with ``O_DIRECT`` where the file system takes it.
+    resize: an existing file of another size is cut or grown to ``size``
+      (its content is to be written anew).
   """
 
-  def __init__(self, path: pathlib.Path, size: int, direct: bool):
+  def __init__(self, path: pathlib.Path, size: int, direct: bool,
+               resize: bool = False):
     self.path, self.size = path, size
     flags = os.O_RDWR | os.O_CREAT
     self.direct = bool(direct and _DIRECT)
@@ -55,7 +58,7 @@ class File:
       self.direct = False
       self.fd = os.open(path, flags, 0o600)
     have = os.fstat(self.fd).st_size
-    if have == 0 and size:
+    if (have == 0 or resize) and have != size:
       os.ftruncate(self.fd, size)
     elif have != size:
       os.close(self.fd)
@@ -192,3 +195,12 @@ def done_quietly(futures: list[concurrent.futures.Future]) -> None:
   """Waits for every one of ``futures``, their errors dropped (another
   error is being raised)."""
   concurrent.futures.wait(futures)
+
+
+def close_all(pool: Pool | None, files: dict) -> None:
+  """Stops ``pool``'s threads and closes ``files`` (a dict of ``File``)."""
+  if pool is not None:
+    pool.close()
+  for f in files.values():
+    f.close()
+  files.clear()

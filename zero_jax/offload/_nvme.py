@@ -30,6 +30,8 @@ import collections
 import pathlib
 import time
 from typing import Any, Callable
+import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +41,7 @@ import optax
 from zero_jax.offload import _disk, _kernels
 from zero_jax.offload._buffers import aligned
 from zero_jax.offload._fused import FusedUpdate
-from zero_jax.offload._manifest import (FORMAT, MANIFEST, decode, encode,
+from zero_jax.offload._manifest import (FORMAT, decode, encode,
                                        read_manifest, write_manifest)
 from zero_jax.offload._optimizers import HostRule
 from zero_jax.offload._slices import DiskPlan
@@ -102,19 +104,32 @@ class NvmeUpdate(FusedUpdate):
 
   # ------------------------------------------------------------ files
 
-  def _file(self, kind: int, version: int) -> _disk.File:
+  def _file(self, kind: int, version: int, resize: bool = False
+            ) -> _disk.File:
     key = (kind, version)
-    if key not in self._files:
+    if key not in self._files or resize:
       self.root.mkdir(parents=True, exist_ok=True)
-      self._files[key] = _disk.File(
+      if key in self._files:
+        self._files.pop(key).close()
+      f = self._files[key] = _disk.File(
           self.root / f"{'master' if kind == 0 else f'state{kind}'}."
-          f"{version}", self.plan.file_bytes(kind), self.options.direct)
+          f"{version}", self.plan.file_bytes(kind), self.options.direct,
+          resize)
+      if self.options.direct and not f.direct:
+        warnings.warn(
+            f"the file system under {str(self.root)!r} refuses O_DIRECT: "
+            "the NVMe tier's reads and writes go through the page cache "
+            "(host RAM); use a local disk's file system (ext4, xfs) for "
+            "nvme_path, or NvmeOptions(direct=False) to choose this",
+            stacklevel=2)
     return self._files[key]
 
   def _io(self) -> _disk.Pool:
     if self._pool is None:
       self._pool = _disk.Pool(self.options.in_flight,
                               self.options.block_bytes)
+      # (Its threads and the files go with this updater.)
+      weakref.finalize(self, _disk.close_all, self._pool, self._files)
     return self._pool
 
   def _slot_buffers(self) -> list[list[np.ndarray]]:
@@ -354,7 +369,13 @@ class NvmeUpdate(FusedUpdate):
                  ) -> tuple[Any, Any]:
     """Every kind's leaves from ``source(kind, leaf)`` (an array, or a
     scalar to fill with) written as a new version, then committed."""
-    version = 0 if self._version is None else 1 - self._version
+    # (Beside the committed version, this run's or an earlier one's: until
+    # the new manifest is in place, that one stays whole.)
+    committed = self._version
+    if committed is None:
+      record = read_manifest(self.root)
+      committed = None if record is None else record.get("version")
+    version = 1 - committed if committed in (0, 1) else 0
     flat: dict[tuple[int, int], Any] = {}
 
     def on_slice(i: int, bufs: list[np.ndarray]) -> None:
@@ -370,19 +391,13 @@ class NvmeUpdate(FusedUpdate):
               x[seg.lo:seg.hi] if x.ndim else x)
 
     self._release(version)
-    self._reset()
+    for t in range(len(self.plan.dtypes)):
+      for v in (0, 1):  # (files of another layout, about to be replaced)
+        self._file(t, v, resize=True)
     sums = self._pass(None, on_slice, version)
     self._commit_version(version, sums, kept)
+    self.resumed = None
     return self._publish(None, None)
-
-  def _reset(self) -> None:
-    """Forgets the committed state (its manifest removed, flushed)."""
-    try:
-      (self.root / MANIFEST).unlink()
-      _disk.sync_directory(self.root)
-    except FileNotFoundError:
-      pass
-    self._version = self._sums = self._step = None
 
   def _resume(self, record: dict) -> tuple[Any, Any]:
     if (record.get("plan") != self.plan.signature() or
@@ -480,9 +495,5 @@ class NvmeUpdate(FusedUpdate):
   def close(self) -> None:
     """Waits for the update, closes the files and the I/O threads."""
     self.wait()
-    for f in self._files.values():
-      f.close()
-    self._files.clear()
-    if self._pool is not None:
-      self._pool.close()
-      self._pool = None
+    _disk.close_all(self._pool, self._files)
+    self._pool = None
