@@ -70,29 +70,27 @@ class File:
 
   def read(self, buf: np.ndarray, offset: int) -> None:
     """Fills ``buf`` (aligned, contiguous) from ``offset``."""
-    view = memoryview(buf.reshape(-1).view(np.uint8))
-    n = os.preadv(self.fd, [view], offset)
-    if n != len(view):
-      raise DiskError(
-          errno.EIO, f"short read of {self.path}: {n:,} of {len(view):,} "
-          f"bytes at offset {offset:,} (the file is {self._now():,} bytes; "
-          "truncated?)")
+    self._move(os.preadv, "short read of", buf, offset, lambda: (
+        f"the file is {os.fstat(self.fd).st_size:,} bytes; truncated?"))
 
   def write(self, buf: np.ndarray, offset: int) -> None:
     """Writes ``buf`` (aligned, contiguous) at ``offset``."""
+    self._move(os.pwritev, "short write to", buf, offset,
+               lambda: "disk full?")
+
+  def _move(self, call: Callable, what: str, buf: np.ndarray, offset: int,
+            why: Callable[[], str]) -> None:
+    """One request; fewer bytes than asked is a ``DiskError``."""
     view = memoryview(buf.reshape(-1).view(np.uint8))
-    n = os.pwritev(self.fd, [view], offset)
+    n = call(self.fd, [view], offset)
     if n != len(view):
       raise DiskError(
-          errno.EIO, f"short write to {self.path}: {n:,} of {len(view):,} "
-          f"bytes at offset {offset:,} (disk full?)")
+          errno.EIO, f"{what} {self.path}: {n:,} of {len(view):,} bytes at "
+          f"offset {offset:,} ({why()})")
 
   def sync(self) -> None:
     """Flushes what was written to the disk itself (``fsync``)."""
     os.fsync(self.fd)
-
-  def _now(self) -> int:
-    return os.fstat(self.fd).st_size
 
   def close(self) -> None:
     if self.fd >= 0:
