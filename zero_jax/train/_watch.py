@@ -11,9 +11,11 @@ soon as one fails: what the step took with it and what to do.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 import jax
@@ -21,6 +23,8 @@ import jax
 _QUEUE: queue.SimpleQueue = queue.SimpleQueue()
 _THREAD: list[threading.Thread] = []
 _LOCK = threading.Lock()
+_STOPPING = threading.Event()
+_POLL_S = 0.02
 
 
 def watch(outputs: Any, explain: Callable[[BaseException], str]) -> None:
@@ -28,19 +32,36 @@ def watch(outputs: Any, explain: Callable[[BaseException], str]) -> None:
   step's small results) fails; nothing otherwise. Steps after a failed one
   inherit its error and are not explained again."""
   with _LOCK:
-    if not _THREAD:
-      _THREAD.append(threading.Thread(target=_run, daemon=True,
-                                      name="zero_jax-step-watch"))
+    if not (_THREAD and _THREAD[0].is_alive()):  # (none yet, or forked)
+      if not _THREAD:
+        # (A thread still holding JAX's arrays as the interpreter ends
+        # aborts the process: it stops, and lets go, first.)
+        atexit.register(_stop)
+      _THREAD[:] = [threading.Thread(target=_run, daemon=True,
+                                     name="zero_jax-step-watch")]
       _THREAD[0].start()
   _QUEUE.put((outputs, explain))
+
+
+def _stop() -> None:
+  _STOPPING.set()
+  _QUEUE.put(None)
+  _THREAD[0].join(timeout=5)
 
 
 def _run() -> None:
   failed = False  # (the last step watched failed)
   while True:
-    outputs, explain = _QUEUE.get()
+    item = _QUEUE.get()
+    if item is None:
+      return
+    outputs, explain = item
     try:
-      jax.block_until_ready(outputs)
+      while not all(x.is_ready() for x in jax.tree.leaves(outputs)):
+        if _STOPPING.is_set():
+          return
+        time.sleep(_POLL_S)
+      jax.block_until_ready(outputs)  # (ready: its error, if any, at once)
       failed = False
     except jax.errors.JaxRuntimeError as e:
       if not failed:
