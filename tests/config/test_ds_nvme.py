@@ -16,7 +16,8 @@ from zero_jax.config import _ds_keys as deepspeed_keys
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 _OPT = "zero_optimization.offload_optimizer."
-_DEFAULT = zconfig.NvmeOptions()
+# (A DeepSpeed config starts its swap files afresh, as DeepSpeed does.)
+_DEFAULT = zconfig.NvmeOptions(resume=False)
 
 
 def _example(**offload):
@@ -63,6 +64,7 @@ def test_the_users_config_on_nvme_updates_on_the_host():
   assert "update_on=\"host\"" in text and "on the host" in text
   assert "pipeline_read" in text and "pipeline_write" in text
   assert "results are identical" in text
+  assert "resume=False" in text and "NvmeOptions(resume=True)" in text
   # "cpu" keeps today's mapping, nvme_path without effect.
   config = _example()
   config["zero_optimization"]["offload_optimizer"]["device"] = "cpu"
@@ -80,9 +82,13 @@ def test_every_nvme_key_maps_to_its_field():
     cfg = zj.from_deepspeed(config)
   assert cfg.nvme == zconfig.NvmeOptions(
       buffer_count=2, read_ahead=False, write_behind=False,
-      block_bytes=1048576, in_flight=32)
-  # Both pipeline keys given: only the note about the host update.
-  assert len(record) == 1 and "update_on" in str(record[0].message)
+      block_bytes=1048576, in_flight=32, resume=False)
+  # Both pipeline keys given: only the notes about the host update and
+  # the files written afresh.
+  notes = [str(r.message) for r in record]
+  assert len(notes) == 2, notes
+  assert any("update_on" in n for n in notes), notes
+  assert any("resume=False" in n for n in notes), notes
   cfg, _ = _read(_nvme(pipeline_read=True, pipeline_write=True))
   assert cfg.nvme.read_ahead and cfg.nvme.write_behind
 
@@ -104,7 +110,7 @@ def test_every_nvme_key_maps_to_its_field():
 ])
 def test_each_key_sets_its_field_alone(offload, aio, field, value):
   cfg, _ = _read(_nvme(aio=aio, **offload))
-  assert cfg.nvme == zconfig.NvmeOptions(**{field: value})
+  assert cfg.nvme == zconfig.NvmeOptions(**{field: value}, resume=False)
 
 
 def test_absent_aio_keeps_zero_jax_defaults():
@@ -218,7 +224,7 @@ def test_without_nvme_the_nvme_keys_have_no_effect():
     config = _nvme(device=device, buffer_count=5, pipeline_read=True,
                    pipeline_write=False, fast_init=True, aio=aio)
     cfg, text = _read(config)
-    assert cfg.nvme == _DEFAULT and cfg.nvme_path is None
+    assert cfg.nvme == zconfig.NvmeOptions() and cfg.nvme_path is None
     assert cfg.offload_optimizer == ("host" if device == "cpu" else None)
     # The aio section: one warning naming its keys; offload_optimizer's
     # options stay quiet, as before.
@@ -242,7 +248,7 @@ def test_auto_in_nvme_keys_needs_a_value_only_with_nvme():
   config = _nvme(device="cpu", buffer_count="auto",
                  aio={"block_size": "auto"})
   cfg, _ = _read(config)
-  assert cfg.nvme == _DEFAULT
+  assert cfg.nvme == zconfig.NvmeOptions()
   with pytest.raises(ValueError, match="'aio.block_size': no keyword"):
     zj.from_deepspeed(_nvme(aio={"block_size": "auto"}))
   with pytest.raises(ValueError, match=_key(_OPT + "buffer_count")):
@@ -284,7 +290,7 @@ def test_no_nvme_key_is_dropped_silently():
   cfg, text = _read(full)
   assert cfg.nvme == zconfig.NvmeOptions(
       buffer_count=2, read_ahead=False, write_behind=False,
-      block_bytes=4096, in_flight=6)
+      block_bytes=4096, in_flight=6, resume=False)
   for leaf in ("single_submit", "overlap_events", "use_gds"):
     assert "aio." + leaf in text
   # The rows' fields are ZeroConfig fields, or NvmeOptions fields under

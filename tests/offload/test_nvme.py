@@ -251,7 +251,8 @@ def test_the_users_deepspeed_json_with_nvme_trains_as_host_offload(
     engine, state = zj.initialize(m.mlp_loss, params, ds, mesh)
   config = engine.config
   assert (config.offload_optimizer, config.nvme_path, config.update_on,
-          config.nvme.buffer_count) == ("nvme", str(tmp_path), "host", 3)
+          config.nvme.buffer_count, config.nvme.resume) == (
+              "nvme", str(tmp_path), "host", 3, False)
   state, losses = m.run_steps(engine, state, batches)
   assert os.path.exists(tmp_path / "process-0" / "manifest.json")
   host = zj.Engine(m.mlp_loss, engine.tx, dataclasses.replace(

@@ -81,6 +81,13 @@ def read_optimizer(t: Any, section: Mapping[str, Any], device: str) -> set[str]:
       "state on the host, a slice at a time as it streams between the files "
       "under nvme_path and host RAM (DeepSpeed's optimizer step runs on the "
       "CPU too)")
+  t.nvme["resume"] = False
+  t.notes.append(
+      "DeepSpeed writes its NVMe swap files afresh at every start: read as "
+      "NvmeOptions(resume=False), so a state committed under nvme_path by "
+      "an earlier run is written over; to continue a run that was killed "
+      "from its last committed step, pass zj.initialize a ZeroConfig with "
+      "nvme=zero_jax.NvmeOptions(resume=True) (docs/offload.md)")
   absent = [leaf for leaf in _PIPELINE if section.get(leaf) is None]
   if absent:
     fields = "/".join(f"NvmeOptions.{_PIPELINE[leaf]}" for leaf in absent)
