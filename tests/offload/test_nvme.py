@@ -14,7 +14,7 @@ import pytest
 import zero_jax as zj
 from tests import _models as m
 from zero_jax import offload
-from zero_jax.offload._disk import DiskError
+from zero_jax.offload import DiskError
 
 STEPS = 4
 CLIP = 0.5

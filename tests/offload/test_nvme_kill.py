@@ -23,7 +23,7 @@ import pytest
 from tests import _models as m
 from tests.offload import _nvme_kill_worker as w
 from zero_jax.offload import _nvme
-from zero_jax.offload._disk import DiskError
+from zero_jax.offload import DiskError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))

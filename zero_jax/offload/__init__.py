@@ -15,6 +15,7 @@ tier) keeps master and optimizer state in files, updated a slice at a
 time, crash-consistent.
 """
 
+from zero_jax.offload._disk import DiskError
 from zero_jax.offload._fused import FusedUpdate
 from zero_jax.offload._host import HostUpdate, MirroredUpdate, host_devices
 from zero_jax.offload._kernels import NOTHING, as_kernel_array, kernels
@@ -27,6 +28,7 @@ from zero_jax.offload._shards import MirroredFused
 from zero_jax.offload._stream import SLICE_BYTES, Streamer
 
 __all__ = [
+    "DiskError",
     "FusedUpdate",
     "HostRule",
     "HostUpdate",

@@ -12,7 +12,6 @@ space, aligned alike, the same in every kind's file: its leaves' pieces
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -109,11 +108,6 @@ class DiskPlan:
       for seg in sl.segments:
         last[seg.leaf] = i
     return last
-
-  def blocks(self, block_bytes: int) -> list[int]:
-    """Per slice, its requests (per kind: the largest kind's count)."""
-    return [max(math.ceil(sl.size * d.itemsize / block_bytes)
-                for d in self.dtypes) for sl in self.slices]
 
   def signature(self) -> dict:
     """What a committed state must match to be read with this plan."""
