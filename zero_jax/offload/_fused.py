@@ -60,6 +60,7 @@ class FusedUpdate:
 
   fused = True
   resumed: Any = None  # (what a tier on disk resumed: ``NvmeUpdate``)
+
   def __init__(self, tx: optax.GradientTransformation, rule: HostRule,
                master: Any, cpu: Any, delayed: bool = False):
     self.tx, self.rule, self.cpu, self.delayed = tx, rule, cpu, delayed
@@ -167,8 +168,9 @@ class FusedUpdate:
 
   def _publish(self, master: Any, opt_state: Any, updated: bool = False
                ) -> tuple[Any, Any]:
-    # New views of the same buffers: the live ones from now on.
-    del updated  # (a tier on disk shows the version the update writes)
+    # New views of the same buffers, the live ones from now on. (A tier on
+    # disk shows the version an update writes: ``updated``.)
+    del updated
     master, opt_state = jax.tree.map(lambda x: x.view(), (master, opt_state))
     self._live = {id(x): x for x in jax.tree.leaves((master, opt_state))}
     return master, opt_state
@@ -239,12 +241,10 @@ class FusedUpdate:
     """Host RAM the update holds: master and optimizer state, the compute
     copy (two in the background: one being sent while the next is
     written), and the gradients as they arrive."""
-    state = self.state_bytes()
     n = sum(x.size for x in jax.tree.leaves(self.master_shapes))
-    copies = (2 if background else
-              0 if np.dtype(copy_dtype) == np.float32 else 1)
-    return (state + copies * n * np.dtype(copy_dtype).itemsize +
-            n * np.dtype(grad_dtype).itemsize)
+    copies = 2 if background else int(np.dtype(copy_dtype) != np.float32)
+    return (self.state_bytes() + copies * n * np.dtype(copy_dtype).itemsize
+            + n * np.dtype(grad_dtype).itemsize)
 
   def state_bytes(self) -> int:
     """Bytes of the fp32 master and the optimizer state."""
