@@ -60,6 +60,7 @@ class FusedUpdate:
 
   fused = True
   resumed: Any = None  # (what a tier on disk resumed: ``NvmeUpdate``)
+  in_ram = "master and state"  # (what host_bytes counts beside the copy)
 
   def __init__(self, tx: optax.GradientTransformation, rule: HostRule,
                master: Any, cpu: Any, delayed: bool = False):
@@ -114,8 +115,7 @@ class FusedUpdate:
     return self.live(x)
 
   def hold(self, tree: Any, wait: Callable[[], None]) -> None:
-    """Something reads ``tree`` until ``wait()``: nothing to do where the
-    state is written in place (``owns``: the reader finishes first)."""
+    """A reader of ``tree`` until ``wait()``: nothing to do (``owns``)."""
 
   # The state as blocks: per leaf, the arrays this process updates (one
   # here: the leaf; ``MirroredFused``: its devices' shards).
@@ -493,7 +493,7 @@ class FusedUpdate:
     """A skipped step's hook (a tier on disk commits ``kept``)."""
 
   def _commit(self, kept: Any) -> None:
-    """The end of an update's hook (a tier on disk commits it)."""
+    """An update's last hook (a tier on disk commits ``kept``)."""
 
   def _run(self, k, p, g, state, out, scaling, coef, decays) -> None:
     """One leaf's kernel."""

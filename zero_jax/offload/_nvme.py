@@ -2,26 +2,21 @@
 and the optimizer state in files, updated a slice at a time by the fused
 host optimizer's kernels.
 
-A step reads each slice of master and state, updates it with the kernels
-of ``FusedUpdate`` (the compute copy written in the same pass), and writes
-it back, while the I/O threads (``_disk``) read the next slices and write
-the last ones: ``buffer_count`` slices in host RAM at once. Gradients stay
-in host RAM: 12 bytes a parameter are read and 12 written per step (fp32
-master and Adam's moments), where DeepSpeed also writes and reads the fp32
-gradient (32).
+A step reads each slice of master and state, updates it with
+``FusedUpdate``'s kernels (the compute copy written in the same pass) and
+writes it back, while the I/O threads (``_disk``) read the next slices
+and write the last: ``buffer_count`` slices in RAM at once. Gradients stay
+in RAM: 12 bytes a parameter read and 12 written per step (AdamW), where
+DeepSpeed also writes and reads the fp32 gradient (32).
 
-Crash consistency: each kind of tensor has two files, versions 0 and 1. A
+Crash consistency: each tensor kind has two files, versions 0 and 1. A
 step reads the committed version and writes the other; once every write
-is flushed (``fsync``), ``manifest.json`` is replaced (written aside,
-flushed, renamed, the directory flushed) to name the new version, the
-step, the loss scale, the optimizer's scalars and a checksum per request.
-A process killed anywhere leaves the committed version whole: a restart
-with ``NvmeOptions(resume=True)`` reads it, and every read checks its sum,
-so a torn or flipped file is an error naming the file and the step.
-
-The train state's master and optimizer state are read-only
-``np.memmap`` views of the committed version's files (checkpoints read
-them like any array); the optimizer's scalars live in RAM.
+is flushed, ``manifest.json`` (``_manifest``) is replaced to name the new
+version, the step, the loss scale, the optimizer's scalars and a checksum
+per request. A process killed anywhere leaves the committed version
+whole, for ``NvmeOptions(resume=True)``; every read checks its checksum.
+The train state's master and moments are read-only ``np.memmap`` views
+of the committed files; the optimizer's scalars live in RAM.
 """
 
 from __future__ import annotations
@@ -61,6 +56,8 @@ class NvmeUpdate(FusedUpdate):
     delayed: as ``FusedUpdate``'s.
   """
 
+  in_ram = "the slices in flight"
+
   def __init__(self, tx: optax.GradientTransformation, rule: HostRule,
                master: Any, cpu: Any, path: str, options: Any,
                delayed: bool = False):
@@ -90,6 +87,7 @@ class NvmeUpdate(FusedUpdate):
       self._ends[i].append(j)
     self._pool: _disk.Pool | None = None
     self._files: dict[tuple[int, int], _disk.File] = {}
+    self._maps: dict[tuple[int, int, int], np.ndarray] = {}
     self._slots: list[list[np.ndarray]] | None = None
     self._version: int | None = None  # (the committed one)
     self._next: int | None = None  # (the one the running update writes)
@@ -107,10 +105,8 @@ class NvmeUpdate(FusedUpdate):
   def _file(self, kind: int, version: int, resize: bool = False
             ) -> _disk.File:
     key = (kind, version)
-    if key not in self._files or resize:
+    if key not in self._files:  # (once open, a file has the plan's size)
       self.root.mkdir(parents=True, exist_ok=True)
-      if key in self._files:
-        self._files.pop(key).close()
       f = self._files[key] = _disk.File(
           self.root / f"{'master' if kind == 0 else f'state{kind}'}."
           f"{version}", self.plan.file_bytes(kind), self.options.direct,
@@ -310,12 +306,17 @@ class NvmeUpdate(FusedUpdate):
       wait()
 
   def _map(self, kind: int, leaf: int, version: int) -> np.ndarray:
-    dtype = self.plan.dtypes[kind]
-    f = self._file(kind, version)
-    return np.memmap(f.path, dtype, "r",
-                     offset=self.plan.offsets[leaf] * dtype.itemsize,
-                     shape=(max(self.plan.sizes[leaf], 1),))[
-                         :self.plan.sizes[leaf]].reshape(self._shapes[leaf])
+    """Leaf ``leaf`` of kind ``kind``'s file of ``version``, mapped once
+    (each step publishes new views of it)."""
+    key = (kind, leaf, version)
+    if key not in self._maps:
+      dtype = self.plan.dtypes[kind]
+      f = self._file(kind, version)
+      self._maps[key] = np.memmap(
+          f.path, dtype, "r", offset=self.plan.offsets[leaf] * dtype.itemsize,
+          shape=(max(self.plan.sizes[leaf], 1),))[
+              :self.plan.sizes[leaf]].reshape(self._shapes[leaf])
+    return self._maps[key]
 
   # -------------------------------------------------------- init, resume
 

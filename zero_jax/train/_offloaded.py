@@ -390,10 +390,7 @@ class OnHost:
             "parameter and device)")
     if self.fused:
       line += (f"; {self.host_bytes(layout) / 2**30:,.2f} GiB of host RAM "
-               "(the compute copy, the gradients, and " + (
-                   "the slices in flight)" if isinstance(
-                       self.host, offload.NvmeUpdate) else
-                   "master and state)"))
+               f"(the compute copy, the gradients, {self.host.in_ram})")
     else:
       line += ("; the update is one XLA:CPU program: the fused host "
                "optimizer runs zero_jax.offload's adamw, adam, lion, sgd and "
