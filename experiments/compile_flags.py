@@ -106,11 +106,11 @@ def schedule_digest(hlo: str) -> str:
 
 def measure_gpu() -> list[list]:
   """Per GPU_STEPS row: memory, collectives and schedule digest."""
-  from zero_jax import analysis  # pylint: disable=g-import-not-at-top
+  from zero_jax import models  # pylint: disable=g-import-not-at-top
 
   rows = []
   for _, kwargs in GPU_STEPS:
-    _, c = analysis.compile_gpt("h100", **{**_TINY, **kwargs})
+    _, c = models.compile_gpt("h100", **{**_TINY, **kwargs})
     m = c.memory
     rows.append([[m.argument, m.output, m.temp, m.alias, m.host],
                  sorted([list(k), v] for k, v in c.collectives.items()),

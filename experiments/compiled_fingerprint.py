@@ -14,7 +14,7 @@ every (collective, dtype) with its count and bytes per step.
 import argparse
 import json
 
-from zero_jax.analysis import compile_gpt
+from zero_jax.models import compile_gpt
 
 CONFIGS = [dict(stage=s) for s in (0, 1, 2, 3)] + [
     dict(stage=1, compute_dtype="bfloat16"),

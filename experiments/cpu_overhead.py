@@ -59,10 +59,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import analysis
 from _report import emit  # experiments/_report.py, beside this script
 from zero_jax.layout import DATA, Plan
-from zero_jax.models import GPT, GPTConfig, make_loss_fn
+from zero_jax.models import GPT, GPTConfig, make_loss_fn, pinned_gpt_loss
 
 zj.simulate_cpu_devices(8)  # before anything lists devices
 
@@ -177,7 +176,7 @@ def build(name: str, graphdef, params, tx, mesh, batch) -> Variant:
       param_sh = jax.tree.map(lambda _: rep, params)
       opt_sh = jax.tree.map(lambda _: rep, jax.eval_shape(tx.init, params))
     else:
-      loss_fn = analysis.pinned_gpt_loss(graphdef, mesh)
+      loss_fn = pinned_gpt_loss(graphdef, mesh)
       # zero_jax's stage-3 split: the same dimension and threshold.
       minimum = zj.ZeroConfig().min_shard_elements
       param_sh = Plan(params, mesh, 3, minimum).shardings

@@ -55,7 +55,7 @@ from zero_jax import analysis
 from zero_jax.analysis import (paper_model_state_bytes, param_count,
                                per_device_bytes)
 from zero_jax.layout import plan_leaf
-from zero_jax.models import GPT, GPTConfig, make_loss_fn
+from zero_jax.models import GPT, GPTConfig, make_loss_fn, pinned_gpt_loss
 
 zj.simulate_cpu_devices(8)  # before anything lists devices
 
@@ -201,7 +201,7 @@ def sweep(args, graphdef, config, tx, params, batch) -> list[Row]:
       t = time.perf_counter()
       if run == "fsdp":
         mem, text, state = compile_peer(
-            analysis.pinned_gpt_loss(graphdef, mesh), tx, params, batch,
+            pinned_gpt_loss(graphdef, mesh), tx, params, batch,
             mesh)
       elif run == "gspmd":
         mem, text, state = compile_peer(loss_fn, tx, params, batch, mesh)
@@ -510,8 +510,7 @@ def main() -> None:
   # it is the same loss before comparing anything.
   mesh = zj.make_mesh(num_devices=max(ns))
   ref = float(jax.jit(make_loss_fn(graphdef))(params, batch))
-  pinned = float(jax.jit(analysis.pinned_gpt_loss(graphdef, mesh))(params,
-                                                                     batch))
+  pinned = float(jax.jit(pinned_gpt_loss(graphdef, mesh))(params, batch))
   if abs(pinned - ref) > 1e-5 * abs(ref):
     raise SystemExit(f"FSDP loss {pinned} != make_loss_fn's {ref}")
   print(f"FSDP peer's loss = make_loss_fn's: {pinned:.6f} vs {ref:.6f}\n")

@@ -29,7 +29,7 @@ import time
 import jax
 
 from zero_jax import analysis
-from zero_jax.analysis import compile_gpt, gpt_shapes
+from zero_jax.models import compile_gpt, gpt_shapes
 
 GIB = 2 ** 30
 # (name, layers, hidden, heads): GPT-3's sizes to 13B (arXiv:2005.14165,

@@ -26,7 +26,7 @@ import argparse
 import json
 import os
 
-from zero_jax.analysis import compile_gpt
+from zero_jax.models import compile_gpt
 
 from _report import emit  # experiments/_report.py, beside this script
 

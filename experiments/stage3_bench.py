@@ -6,10 +6,10 @@ attention="auto"``, bf16 compute, fp32 master weights and fp32 AdamW,
 remat ``"full"``) for N compile-only H100s (``zero_jax.analysis.gpu_mesh``,
 no GPU needed), two ways:
 
-- zero_jax stage 3 (``analysis.compile_gpt``), once per entry of
+- zero_jax stage 3 (``models.compile_gpt``), once per entry of
   ``CONFIGS`` (name -> ``ZeroConfig`` overrides), and stage 2 beside it,
   with its replicated bf16 copy and gathering in forward (prefetch);
-- the MaxText-style GSPMD FSDP peer (``analysis.compile_gspmd_gpt``): one
+- the MaxText-style GSPMD FSDP peer (``models.compile_gspmd_gpt``): one
   plain ``jax.jit`` of the same loss, gradient and optax update, with the
   same stage-3 layout of parameters and optimizer state and the
   activations pinned to the batch sharding; every collective is XLA's.
@@ -161,24 +161,24 @@ def measure(spec: dict) -> dict:
   """Compiles one run (in this process) and measures it."""
   # pylint: disable=g-import-not-at-top
   import jax
-  from zero_jax import analysis
+  from zero_jax import analysis, models
   # pylint: enable=g-import-not-at-top
   shape = {k: spec[k] for k in ("layers", "hidden", "heads", "vocab",
                                 "seq_len", "micro_batch", "attention")}
   t0 = time.perf_counter()
   if spec["run"] == GSPMD:
-    state, c = analysis.compile_gspmd_gpt(spec["target"], spec["n"],
-                                          remat="full", **shape)
+    state, c = models.compile_gspmd_gpt(spec["target"], spec["n"],
+                                        remat="full", **shape)
     state_bytes = analysis.per_device_bytes(state)
   else:
     overrides = CONFIGS[spec["run"]]
     k = overrides.get("hpz_partition_size", 1)
-    engine, c = analysis.compile_gpt(spec["target"], spec["n"], 3,
-                                     remat="full", overrides=overrides,
-                                     # hpZ: one group per node.
-                                     replica=spec["n"] // k if k > 1 else 1,
-                                     **shape)
-    _, params = analysis.gpt_shapes(
+    engine, c = models.compile_gpt(spec["target"], spec["n"], 3,
+                                   remat="full", overrides=overrides,
+                                   # hpZ: one group per node.
+                                   replica=spec["n"] // k if k > 1 else 1,
+                                   **shape)
+    _, params = models.gpt_shapes(
         **{k: shape[k] for k in ("layers", "hidden", "heads", "vocab",
                                  "seq_len")})
     fields = analysis.train_state_bytes(engine.abstract_state(params))
@@ -385,9 +385,9 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
       "remat `full`; 1.3b: 24 layers, d 2048, 16 heads, micro-batch 8; "
       "6.7b: 32 layers, d 4096, 32 heads, micro-batch 4 (sequences per "
       "device).",
-      "- zero_jax: `analysis.compile_gpt(stage=3)` with the config's "
+      "- zero_jax: `models.compile_gpt(stage=3)` with the config's "
       "ZeroConfig overrides (`stage=2` where the config says so); GSPMD "
-      "FSDP: `analysis.compile_gspmd_gpt`, one "
+      "FSDP: `models.compile_gspmd_gpt`, one "
       "`jax.jit` of the same loss and update, params and AdamW state laid "
       "out by the same stage-3 plan, activations pinned to the batch "
       "sharding at every block boundary and on the logits.",

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 
-from zero_jax import analysis
+from zero_jax import analysis, models
 
 
 def main() -> None:
-  engine, c = analysis.compile_gpt(
+  engine, c = models.compile_gpt(
       "h100", 8, 3, model=2, attention="auto", layers=4, hidden=128,
       heads=4, vocab=64, seq_len=16, micro_batch=2)
   mesh = engine.mesh

@@ -1,8 +1,11 @@
 """Train a small byte-level GPT on the Python standard library with ZeRO.
 
 The data is the source of the standard library's top-level modules, read
-from the local Python install (no downloads), as bytes (vocabulary 256).
-After training it reports the validation loss and a greedy sample, then
+from the local Python install (no downloads), as bytes (vocabulary 256):
+the running Python's, so the figures depend on its version (the header
+says which). After training it reports the validation loss and a sample
+(a prompt from the held-out text, continued at temperature
+``SAMPLE_TEMPERATURE`` from a key of ``--seed``: the same every run), then
 compiles the same train step at ZeRO stages 0-3 and compares each stage's
 per-device train-state bytes with the paper's formula. On one device, where
 every stage holds the whole state, it also prints that table for the step
@@ -55,6 +58,10 @@ zj.simulate_cpu_devices(8)  # before anything lists devices
 
 MAX_DATA_BYTES = 4 * 2**20
 VAL_FRACTION = 0.05
+# The sample's temperature: greedy decoding of a model this small repeats
+# one byte (a line of underscores).
+SAMPLE_TEMPERATURE = 0.8
+SAMPLE_BYTES = 100
 
 
 # Defaults by machine. cpu: the demo of the README (8 simulated devices, a
@@ -226,9 +233,14 @@ def apply_preset(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------- data
 
 
+def stdlib_dir() -> str:
+  """The running Python's standard library: the training text."""
+  return os.path.dirname(os.__file__)
+
+
 def load_stdlib_bytes(max_bytes: int = MAX_DATA_BYTES) -> np.ndarray:
   """The standard library's top-level ``.py`` files, concatenated, as uint8."""
-  libdir = os.path.dirname(os.__file__)
+  libdir = stdlib_dir()
   chunks, total = [], 0
   for path in sorted(glob.glob(os.path.join(libdir, "*.py"))):
     with open(path, "rb") as f:
@@ -284,6 +296,21 @@ def make_optimizer(args):
   return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
       learning_rate=schedule, b1=0.9, b2=0.95, weight_decay=0.1,
       mask=decay_mask)
+
+
+def used_flags(args, zero_config: zj.ZeroConfig, engine: zj.Engine,
+               batch_size: int) -> dict:
+  """The flags as the run uses them: those a DeepSpeed config sets (its
+  stage, precision, batch, accumulation, clipping, offload) as set."""
+  used = dict(stage=zero_config.stage,
+              compute_dtype=zero_config.compute_dtype, batch_size=batch_size,
+              grad_accum_steps=engine.grad_accum_steps,
+              clip_grad_norm=zero_config.clip_grad_norm,
+              offload_optimizer=zero_config.offload_optimizer,
+              quantized_weights=zero_config.quantized_weights,
+              quantized_gradients=zero_config.quantized_gradients)
+  assert set(used) == set(DEEPSPEED_REPLACES)  # (each, as used)
+  return dict(vars(args), **used)
 
 
 def make_zero_config(args) -> zj.ZeroConfig:
@@ -475,9 +502,10 @@ def main() -> None:
   say(f"devices: {n} x {jax.devices()[0].platform} "
         f"({jax.devices()[0].device_kind})")
   say(f"data: {len(train_data):,} train / {len(val_data):,} val bytes of "
-        "Python stdlib source")
+      f"the Python {sys.version.split()[0]} standard library's source "
+      f"({stdlib_dir()}; another Python version gives other figures)")
   say(f"model: {config}, {param_count(params):,} parameters")
-  say(f"run: {vars(args)}")
+  say(f"run: {used_flags(args, zero_config, engine, batch_size)}")
   say(f"zero config: {zero_config}")
   say(f"global batch {batch_size} = {engine.grad_accum_steps} "
         f"micro-batch(es) x {n_batch} data-parallel rank(s) x "
@@ -557,17 +585,20 @@ def main() -> None:
   say(f"\nvalidation loss {np.mean(val_losses):.4f} "
         f"({8 * batch_size} held-out windows)")
 
-  # Greedy sample: slide a seq_len window over a buffer, one jit for all.
-  n_new = 100
+  # Sample: slide a seq_len window over a buffer, one jit for all; each
+  # byte drawn at SAMPLE_TEMPERATURE from a key of the seed (deterministic).
+  n_new = SAMPLE_BYTES
 
   @jax.jit
-  def generate(params, prompt):
+  def generate(params, prompt, key):
     model = nnx.merge(graphdef, params)
     buf = jnp.concatenate([prompt, jnp.zeros((n_new,), prompt.dtype)])
 
     def body(i, buf):
       window = jax.lax.dynamic_slice(buf, (i,), (args.seq_len,))
-      next_token = jnp.argmax(model(window[None])[0, -1])
+      logits = model(window[None])[0, -1].astype(jnp.float32)
+      next_token = jax.random.categorical(jax.random.fold_in(key, i),
+                                          logits / SAMPLE_TEMPERATURE)
       return buf.at[i + args.seq_len].set(next_token.astype(buf.dtype))
 
     return jax.lax.fori_loop(0, n_new, body, buf)
@@ -577,10 +608,14 @@ def main() -> None:
   # Start the prompt at a line boundary so the sample is easier to read.
   start = int(np.argmax(val_data == ord("\n"))) + 1
   prompt = val_data[start:start + args.seq_len].astype(np.int32)
-  out = np.asarray(generate(one, prompt)).astype(np.uint8).tobytes()
+  key = jax.device_put(jax.random.key(args.seed),
+                       jax.tree.leaves(one)[0].sharding)
+  out = np.asarray(generate(one, prompt, key)).astype(np.uint8).tobytes()
   text = lambda b: b.decode("utf-8", errors="replace")
-  say(f"sample (prompt, then >>> greedy continuation):\n"
-        f"{text(out[:args.seq_len])}>>>{text(out[args.seq_len:])}\n")
+  say(f"sample (prompt from the held-out text, then >>> the model's "
+      f"continuation, sampled at temperature {SAMPLE_TEMPERATURE} with "
+      f"key {args.seed}):\n"
+      f"{text(out[:args.seq_len])}>>>{text(out[args.seq_len:])}\n")
   del one, full
   for x in jax.tree.leaves(state):
     x.delete()

@@ -39,12 +39,13 @@ def test_step_is_jitted_and_lowerable():
   batch = m.mlp_batches(1)[0]
   compiled = engine.step.lower(state, batch).compile()
   assert "reduce-scatter" in compiled.as_text()
-  # (The third output is the step's internal overflow flag: None here,
-  # without float16 loss scaling; never among the metrics.)
-  new_state, metrics, internal = compiled(state, engine.shard_batch(batch))
-  assert set(metrics) == {"loss", "grad_norm", "skipped", "skipped_steps"}
-  assert internal is None
-  assert int(new_state.step) == 1
+  # (Its outputs are named: the step's internal overflow flag is None
+  # here, without float16 loss scaling, and never among the metrics.)
+  out = compiled(state, engine.shard_batch(batch))
+  assert set(out.metrics) == {"loss", "grad_norm", "skipped",
+                              "skipped_steps"}
+  assert out.overflow_at_min is None and out.grads is None
+  assert int(out.state.step) == 1
   with pytest.raises(RuntimeError, match="donated|deleted"):
     np.asarray(state.params["w1"])  # the old state was donated
 
@@ -76,7 +77,7 @@ def test_config_errors_name_the_fix():
   with pytest.raises(ValueError, match="stage must be one of"):
     zj.ZeroConfig(stage=4)
   with pytest.raises(ValueError, match="unknown ZeroConfig key"):
-    zj.ZeroConfig.from_dict({"stage": 2, "offload": True})
+    zj.ZeroConfig.from_dict({"stage": 2, "offload_cpu": True})
   assert zj.ZeroConfig.from_dict({"stage": 2}).stage == 2
   with pytest.raises(ValueError, match="num_devices=99"):
     zj.make_mesh(num_devices=99)
@@ -186,12 +187,14 @@ def test_the_top_level_api_is_the_curated_list_and_nothing_else():
   # Internals live in their subpackage (zero_jax.layout.Plan, ...); the top
   # level names what most scripts need.
   assert zj.__all__ == [
+      "Accumulation", "Activations", "Batch",
       "CheckpointConflictError", "CheckpointCorruptError",
-      "CheckpointWriteError", "Checkpointer", "Engine", "Layout",
-      "LossScaleState", "NvmeOptions", "REMAT_POLICIES", "RematPolicy",
-      "StepFailedError",
-      "TrainState",
-      "ZeroConfig", "analysis", "checkpoint_name", "distributed",
+      "CheckpointWriteError", "Checkpointer", "Engine",
+      "LossScaleState", "LossScaling", "LossScope", "MixedPrecision",
+      "NvmeOptions", "Offload", "REMAT_POLICIES", "RematPolicy",
+      "StepFailedError", "StepPlan", "Tier",
+      "TrainState", "UpdateOn",
+      "ZeroConfig", "ZeroPP", "analysis", "checkpoint_name", "distributed",
       "estimate_activations", "estimate_comm", "estimate_memory",
       "export_params", "from_deepspeed", "initialize", "layer",
       "load_params",

@@ -10,8 +10,9 @@ an error: the docs show the API. Every ``python -m zero_jax.<module>`` and
 and so must every repository path in inline code and every relative link
 (with its heading, if it names one); every ``pip install -e ".[extra]"``
 an extra of pyproject.toml. The README's quick start is the demo and the
-test command CI runs, and its "Use" example runs as written, on 8 CPU
-devices by its own line. tests/test_docs_run.py runs every block.
+test command CI runs, within its first 40 lines of at most 250, and its
+"Use" example runs as written, on 8 CPU devices by its own line.
+tests/test_docs_run.py runs every block.
 """
 
 from __future__ import annotations
@@ -375,6 +376,16 @@ def test_the_quick_start_is_the_two_commands_ci_runs():
       'pip install -e ".[test]" && python -m pytest -q -n 2 tests'], commands
   ci = (_ROOT / ".ci" / "run").read_text(encoding="utf-8")
   assert commands[1] in ci, "the README's test command is not .ci/run's"
+
+
+def test_the_readme_is_short_with_the_quick_start_on_its_first_screen():
+  # What it is, how to run it, what it gives; each table's notes and the
+  # command behind each figure are in docs/ (docs/results.md).
+  lines = (_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+  assert len(lines) <= 250, (
+      f"README.md has {len(lines)} lines, at most 250: move prose to docs/")
+  assert "## Quick start" in lines[:40], "the quick start is not in the " \
+      "README's first 40 lines"
 
 
 def test_the_readme_use_example_runs_as_written(tmp_path):

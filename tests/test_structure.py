@@ -12,6 +12,7 @@ import ast
 import hashlib
 import pathlib
 import re
+from typing import Callable
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _PACKAGE = _ROOT / "zero_jax"
@@ -20,15 +21,17 @@ _MAX_ENGINE_LINES = 400
 # Scripts that may use the tests' helpers the other way round only: tests
 # must not import them, nor they the tests.
 _SCRIPT_DIRS = ("experiments",)
-# The subpackages in data-flow order: a module imports (at import time)
-# only from its own subpackage, from earlier ones, and from the top-level
-# private helpers. (Later layers may be imported inside a function, where a
-# command line needs them: analysis compiles the reference GPT.)
+# The subpackages in data-flow order: a module imports only from its own
+# subpackage, from earlier ones, and from the top-level private helpers,
+# inside its functions as much as at import time. (An earlier layer that
+# must reach a later one offers a hook the later one registers with, as
+# train's ``add_step_listener``.)
 _LAYERS = ("config", "layout", "materialize", "layers", "offload", "train",
            "checkpoint", "distributed", "analysis", "metrics", "models")
-# The top level's private helpers, shared by every subpackage.
-_HELPERS = ("_agreement", "_checks", "_compat", "_devices", "_heartbeat",
-            "_last_checkpoint", "_paths")
+# The top level's private helpers, shared by every subpackage: each a helper
+# of its own (jax versions, value checks, devices, key paths), none a place
+# that only dodges the layer order.
+_HELPERS = ("_checks", "_compat", "_devices", "_paths")
 # Private attributes of other objects that the package may read, and where:
 # Python's own (os._exit is the documented exit without cleanup), and the
 # internals of JAX and orbax, each confined to one module that a test ties
@@ -156,6 +159,22 @@ def _module_level_imports(tree: ast.Module) -> list[ast.stmt]:
   return out
 
 
+def _all_imports(tree: ast.Module) -> list[ast.stmt]:
+  """Every import statement, at import time or inside a function or
+  class, except under ``if TYPE_CHECKING:`` (which never runs)."""
+  out = []
+  stack: list[ast.AST] = list(tree.body)
+  while stack:
+    node = stack.pop()
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      out.append(node)
+    elif isinstance(node, ast.If) and _is_type_checking(node.test):
+      stack.extend(node.orelse)
+    else:
+      stack.extend(ast.iter_child_nodes(node))
+  return out
+
+
 def _imported(module: str, package: str, node: ast.stmt,
               known: set[str]) -> set[str]:
   """The package modules ``node`` (in ``module``, of ``package``)
@@ -180,15 +199,17 @@ def _imported(module: str, package: str, node: ast.stmt,
   return out
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _import_graph(imports: Callable[[ast.Module], list[ast.stmt]] =
+                  _module_level_imports) -> dict[str, set[str]]:
+  """Module -> the package modules it imports (at import time, or as
+  ``imports`` collects them)."""
   modules = _modules()
   known = set(modules)
   graph = {}
   for name, path in modules.items():
     package = name if path.stem == "__init__" else name.rpartition(".")[0]
     graph[name] = set().union(*(_imported(name, package, node, known)
-                                for node in _module_level_imports(
-                                    _tree(path))))
+                                for node in imports(_tree(path))))
   return graph
 
 
@@ -217,7 +238,9 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles():
   # The top level loads its subpackages lazily, so only the subpackages'
-  # own imports can make a cycle.
+  # own imports can make a cycle. (At import time: inside a subpackage a
+  # function may import a module that imports its own, as offload's numba
+  # kernels do on first use.)
   cycle = _find_cycle(_import_graph())
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -226,6 +249,19 @@ def test_the_cycle_finder_finds_cycles():
   assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [
       "a", "b", "c", "a"]
   assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_layer_check_sees_imports_inside_functions():
+  tree = ast.parse(
+      "import a\n"
+      "def f():\n  import b\n"
+      "class C:\n  def g(self):\n    from c import d\n"
+      "if TYPE_CHECKING:\n  import e\nelse:\n  import f\n")
+  names = lambda imports: sorted(
+      a.name if isinstance(n, ast.Import) else n.module
+      for n in imports(tree) for a in n.names)
+  assert names(_all_imports) == ["a", "b", "c", "f"]
+  assert names(_module_level_imports) == ["a", "f"]
 
 
 def _layer(module: str) -> str | None:
@@ -238,9 +274,10 @@ def _layer(module: str) -> str | None:
 def test_imports_follow_the_data_flow_and_public_doors():
   """A module imports its own subpackage's private modules, earlier
   subpackages through their public __init__, and the top-level helpers:
-  never another subpackage's private module, nor a later subpackage."""
+  never another subpackage's private module, nor a later subpackage, not
+  even inside a function."""
   bad = []
-  for name, targets in _import_graph().items():
+  for name, targets in _import_graph(_all_imports).items():
     own = _layer(name)
     for target in sorted(targets):
       there = _layer(target)
@@ -437,3 +474,57 @@ def test_the_repeat_finder_finds_repeats():
   assert _repeats({"a.py": block, "b.py": block})
   assert not _repeats({"a.py": block,
                        "b.py": block[:_RUN - 1] + [(9, "other()")]})
+
+
+# ---------------------------------------------------------- the config read
+
+# The modules that may read a ZeroConfig's fields: the config's own, and
+# the decision pass, whose frozen Decisions everything else reads.
+_CONFIG_READERS = ("zero_jax/config/", "zero_jax/layout/_decide.py")
+# Names a ZeroConfig goes by where it is read.
+_CONFIG_NAMES = ("config", "cfg", "zero_config")
+
+
+def _config_fields() -> set[str]:
+  """Every name a ZeroConfig field is read by: its own fields, its
+  sections' fields and their shorthand (the ``SHORTHAND`` tables of the
+  section classes), and its two derived readers."""
+  names = {"batch_sizes", "dynamic_loss_scale"}
+  for path in (_PACKAGE / "config").glob("*.py"):
+    for node in ast.walk(_tree(path)):
+      if not isinstance(node, ast.ClassDef):
+        continue
+      for item in node.body:
+        if (node.name == "ZeroConfig" and isinstance(item, ast.AnnAssign)
+            and isinstance(item.target, ast.Name)):
+          names.add(item.target.id)
+        if (isinstance(item, ast.Assign) and isinstance(item.value, ast.Dict)
+            and any(getattr(t, "id", None) == "SHORTHAND"
+                    for t in item.targets)):
+          for key, value in zip(item.value.keys, item.value.values):
+            names.update(x.value for x in (key, value)
+                         if isinstance(x, ast.Constant))
+  return names
+
+
+def test_only_the_decision_pass_reads_the_config():
+  # A choice made from the config in two places drifts apart: the config
+  # is read by zero_jax.layout.decide once, and the step, its strategies,
+  # analysis and checkpoint read its Decisions.
+  fields = _config_fields()
+  assert {"stage", "offload", "offload_optimizer", "compute_dtype",
+          "prefetch", "accum_steps"} <= fields
+  bad = []
+  for path in sorted(_PACKAGE.rglob("*.py")):
+    if _rel(path).startswith(_CONFIG_READERS):
+      continue
+    for node in ast.walk(_tree(path)):
+      if not (isinstance(node, ast.Attribute) and node.attr in fields):
+        continue
+      owner = node.value
+      name = (owner.id if isinstance(owner, ast.Name) else
+              owner.attr if isinstance(owner, ast.Attribute) else None)
+      if name in _CONFIG_NAMES and ast.unparse(owner) != "jax.config":
+        bad.append(f"{_rel(path)}:{node.lineno}: {ast.unparse(node)}")
+  assert not bad, ("read the decisions (zero_jax.layout.decide), not the "
+                   f"config: {bad}")

@@ -10,7 +10,7 @@ The subpackages, in the order data flows through them:
 - ``layers``: per-layer ZeRO inside the model (``scan_layers``, ``layer``,
   the Flax adapters, the blocks found by themselves);
 - ``offload``: updating state that lives in host memory;
-- ``train``: the ``Engine``, its ``Layout`` and ``TrainState``, the jitted
+- ``train``: the ``Engine``, its ``StepPlan`` and ``TrainState``, the jitted
   step;
 - ``checkpoint``: orbax checkpoints that restore into any layout;
 - ``distributed``: multi-process runs and the launcher;
@@ -31,19 +31,29 @@ from typing import TYPE_CHECKING, Any
 
 # Public name -> the subpackage that defines it.
 _NAMES = {
+    "Accumulation": "config",
+    "Activations": "config",
+    "Batch": "config",
     "CheckpointConflictError": "checkpoint",
     "CheckpointCorruptError": "checkpoint",
     "CheckpointWriteError": "checkpoint",
     "Checkpointer": "checkpoint",
     "Engine": "train",
-    "Layout": "train",
+    "StepPlan": "train",
     "LossScaleState": "train",
+    "LossScaling": "config",
+    "LossScope": "config",
+    "MixedPrecision": "config",
     "NvmeOptions": "config",
+    "Offload": "config",
     "REMAT_POLICIES": "config",
     "RematPolicy": "config",
     "StepFailedError": "train",
+    "Tier": "config",
     "TrainState": "train",
+    "UpdateOn": "config",
     "ZeroConfig": "config",
+    "ZeroPP": "config",
     "checkpoint_name": "layers",
     "estimate_activations": "analysis",
     "estimate_comm": "analysis",
@@ -90,10 +100,12 @@ if TYPE_CHECKING:  # (what the names are, for type checkers and IDEs)
                                    CheckpointCorruptError,
                                    CheckpointWriteError, Checkpointer,
                                    export_params, load_params)
-  from zero_jax.config import (REMAT_POLICIES, NvmeOptions, RematPolicy,
-                               ZeroConfig, from_deepspeed)
+  from zero_jax.config import (REMAT_POLICIES, Accumulation, Activations,
+                               Batch, LossScaling, LossScope, MixedPrecision,
+                               NvmeOptions, Offload, RematPolicy, Tier,
+                               UpdateOn, ZeroConfig, ZeroPP, from_deepspeed)
   from zero_jax.layers import (checkpoint_name, layer, scan_layers,
                                scan_linen, scan_nnx)
   from zero_jax.layout import make_mesh, simulate_cpu_devices
-  from zero_jax.train import (Engine, Layout, LossScaleState,
+  from zero_jax.train import (Engine, StepPlan, LossScaleState,
                               StepFailedError, TrainState, initialize)

@@ -5,7 +5,7 @@
   worker finds the same programs in the run's persistent compilation cache
   (they are CPU programs, which it keeps), so the two files compile them
   once between them.
-- ``compile_gpt``: ``zero_jax.analysis.compile_gpt`` once per process for
+- ``compile_gpt``: ``zero_jax.models.compile_gpt`` once per process for
   each distinct step, however its arguments are spelled. Programs compiled
   for GPUs are not kept by the persistent cache, so each would otherwise
   cost its whole compile again.
@@ -18,7 +18,7 @@ import optax
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax import analysis
+from zero_jax import models
 
 N = 8
 
@@ -53,11 +53,11 @@ def step(stage: int, n_layers: int = 4, replica: int = 1,
   return engine, state, engine.step.lower(state, batch).compile()
 
 
-_SIGNATURE = inspect.signature(analysis.compile_gpt)
+_SIGNATURE = inspect.signature(models.compile_gpt)
 
 
 def compile_gpt(*args, **kwargs):
-  """``zero_jax.analysis.compile_gpt``, each distinct step compiled once:
+  """``zero_jax.models.compile_gpt``, each distinct step compiled once:
   the same ``(engine, compiled)`` for the same arguments, defaults filled
   in (``overrides`` None and {} alike)."""
   bound = _SIGNATURE.bind(*args, **kwargs)
@@ -71,5 +71,5 @@ def compile_gpt(*args, **kwargs):
 @functools.cache
 def _compiled_gpt(arguments):
   kwargs = dict(arguments)
-  return analysis.compile_gpt(**{**kwargs,
-                                 "overrides": dict(kwargs["overrides"])})
+  return models.compile_gpt(**{**kwargs,
+                               "overrides": dict(kwargs["overrides"])})

@@ -51,12 +51,13 @@ top = dict(os.environ)
 import jax  # (JAX's own import sets its logging variables: compared after)
 with_jax = dict(os.environ)
 import zero_jax.analysis
-from zero_jax import analysis
+import zero_jax.models
+from zero_jax import models
 imported = {{"top": top == start, "analysis": dict(os.environ) == with_jax,
              "var": {_VAR!r} in os.environ}}
 before = os.environ.get({_VAR!r})
-engine, c = analysis.compile_gpt("h100", 2, 3, layers=1, hidden=32, heads=2,
-                                 vocab=32, seq_len=8, micro_batch=1)
+engine, c = models.compile_gpt("h100", 2, 3, layers=1, hidden=32, heads=2,
+                               vocab=32, seq_len=8, micro_batch=1)
 print(json.dumps({{"imported": imported, "before": before,
                   "after": os.environ.get({_VAR!r}),
                   "kinds": [d.device_kind for d in engine.mesh.devices.flat],

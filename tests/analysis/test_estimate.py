@@ -569,6 +569,17 @@ def test_cli_rejects_bad_input(capsys, argv, message):
   assert message in capsys.readouterr().err
 
 
+def test_cli_compiles_only_the_models_it_is_handed(capsys):
+  # (analysis comes before models: python -m zero_jax.estimate hands its
+  # main zero_jax.models, whose reference GPT --compile builds.)
+  with pytest.raises(SystemExit) as e:
+    main(["--compile", "h100", "--devices", "1", "--layers", "2", "--hidden",
+          "64", "--heads", "4", "--vocab", "64", "--seq-len", "16",
+          "--micro-batch", "2"])
+  assert e.value.code == 2
+  assert "run python -m zero_jax.estimate" in capsys.readouterr().err
+
+
 def test_cli_takes_sizes_a_64_bit_machine_can_hold(capsys):
   # 1e18 parameters: 1.6e19 bytes of plain data parallelism, below 2^64.
   assert main(["--params", "1e18", "--devices", "8", "--stage", "0"]) == 0

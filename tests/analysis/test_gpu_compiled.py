@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import math
 import re
+import types
 
 import jax
 import optax
@@ -27,10 +28,11 @@ from tests import _models as m
 from tests.analysis import _shared
 from tests._gpu import compiles_for_gpus
 from zero_jax import analysis
+from zero_jax import models
 from zero_jax import offload
-from zero_jax.analysis import _cli
-from zero_jax.analysis import compile_gpt, main
 from zero_jax.analysis import param_count
+from zero_jax.estimate import main
+from zero_jax.models import compile_gpt
 
 pytestmark = compiles_for_gpus
 
@@ -403,11 +405,14 @@ def _cli_shape():
 def test_cli_prints_the_compiled_step(monkeypatch, capsys):
   # _TINY on 8 compile-only H100s as data 4 x model 2
   # (gpu_mesh("h100", 8, model=2)): the step the tensor-parallel test below
-  # compiles, compiled once for both (the command line calls compile_gpt).
-  monkeypatch.setattr(_cli, "compile_gpt", _shared.compile_gpt)
-  assert main(["--compile", "h100", "--devices", "8", "--model-parallel", "2",
-               "--stage", "3", "--compute-dtype", "bf16", "--attention",
-               "auto", *_cli_shape()]) == 0
+  # compiles, compiled once for both (the command line calls the
+  # compile_gpt of the models it is handed).
+  gpt = types.SimpleNamespace(gpt_shapes=models.gpt_shapes,
+                              compile_gpt=_shared.compile_gpt)
+  assert analysis.main(
+      ["--compile", "h100", "--devices", "8", "--model-parallel", "2",
+       "--stage", "3", "--compute-dtype", "bf16", "--attention", "auto",
+       *_cli_shape()], gpt=gpt) == 0
   out = capsys.readouterr().out
   peak = [line for line in out.splitlines() if "peak" in line and
           "compiled for 8 x h100 (data 4 x model 2)" in line]

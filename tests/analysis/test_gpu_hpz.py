@@ -17,7 +17,7 @@ import optax
 
 import zero_jax as zj
 from tests._gpu import compiles_for_gpus
-from zero_jax import analysis
+from zero_jax import analysis, models
 from zero_jax.models import loop_gpt, make_loss_fn
 
 pytestmark = compiles_for_gpus
@@ -30,7 +30,7 @@ _BYTES = {"s8": 1, "bf16": 2, "f32": 4}
 @functools.cache
 def _compiled(replica=2, **fields):
   mesh = analysis.gpu_mesh("h100", N, replica=replica)
-  graphdef, params = analysis.gpt_shapes(**_SHAPE)
+  graphdef, params = models.gpt_shapes(**_SHAPE)
   # (The per-device step's own collectives unless a test asks for the
   # global loss's, which it compares with them.)
   fields = {"loss_scope": "per_device", **fields}

@@ -1,5 +1,5 @@
 """Which asynchronous collectives overlap a gemm (``analysis.overlap``),
-and the GSPMD FSDP peer of the stage-3 step (``compile_gspmd_gpt``).
+and the GSPMD FSDP peer of the stage-3 step (``models.compile_gspmd_gpt``).
 
 The rule is checked on hand-written HLO (each form it reads) and on
 programs compiled for 8 H100s (no GPU needed): a gather with an
@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests._gpu import compiles_for_gpus
 from tests.analysis import _shared
-from zero_jax import analysis
+from zero_jax import analysis, models
 from zero_jax.analysis import overlap, overlap_summary
 
 N = 8
@@ -280,7 +280,7 @@ def _zero(devices=N, prefetch=True, loss_scope="global"):
 @functools.cache
 def _gspmd():
   """The GSPMD FSDP peer of ``_zero()``: ``(state, compiled)``."""
-  return analysis.compile_gspmd_gpt("h100", N, **_DEEP)
+  return models.compile_gspmd_gpt("h100", N, **_DEEP)
 
 
 @compiles_for_gpus
@@ -352,7 +352,7 @@ def test_nine_in_ten_parameter_gathers_overlap_a_gemm_by_default(n):
 def test_gspmd_peer_holds_the_stage3_state_and_gathers_bf16():
   engine, zero = _zero()
   state, gspmd = _gspmd()
-  _, params = analysis.gpt_shapes(
+  _, params = models.gpt_shapes(
       **{k: _DEEP[k] for k in ("layers", "hidden", "heads", "vocab",
                                "seq_len")})
   fields = analysis.train_state_bytes(engine.abstract_state(params))

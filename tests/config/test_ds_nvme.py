@@ -293,14 +293,15 @@ def test_no_nvme_key_is_dropped_silently():
       block_bytes=4096, in_flight=6, resume=False)
   for leaf in ("single_submit", "overlap_events", "use_gds"):
     assert "aio." + leaf in text
-  # The rows' fields are ZeroConfig fields, or NvmeOptions fields under
-  # "nvme.".
+  # The rows' fields are ZeroConfig fields or shorthand, or NvmeOptions
+  # fields under "nvme.".
   nvme_fields = set(zconfig.NvmeOptions.__dataclass_fields__)
   for row in zconfig.MAPPING:
     if row.field.startswith("nvme."):
       assert row.field[len("nvme."):] in nvme_fields, row.key
     elif row.field:
-      assert row.field in zj.ZeroConfig.__dataclass_fields__, row.key
+      assert (row.field in zj.ZeroConfig.__dataclass_fields__
+              or row.field in zconfig.SHORTHAND), row.key
 
 
 def test_the_translation_does_not_change_the_callers_dict():

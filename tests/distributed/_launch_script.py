@@ -58,7 +58,7 @@ import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
 from tests import _models as m  # noqa: E402
-from zero_jax import _agreement  # noqa: E402
+from zero_jax.train import _agreement  # noqa: E402
 from zero_jax.layout import DATA, MODEL  # noqa: E402
 
 # name: (stage, replica groups).

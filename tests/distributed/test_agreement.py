@@ -1,5 +1,6 @@
-"""What the processes of a run must agree on (zero_jax._agreement): the
-batch every step feeds, and that they run as one job at all.
+"""What the processes of a run must agree on (zero_jax.train's
+_agreement): the batch every step feeds, and that they run as one job at
+all.
 
 The exchange itself is tested against an in-memory coordinator, two
 threads standing for two processes; the end-to-end tests launch two real
@@ -25,7 +26,9 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax import _agreement as agreement
+from zero_jax import train
+from zero_jax.distributed import _failfast as failfast
+from zero_jax.train import _agreement as agreement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -109,17 +112,25 @@ def test_a_process_that_never_comes_is_named():
 
 def test_a_waiting_process_stops_when_another_failed():
   """Fail-fast's error (with its exit-code mark) ends the wait at the next
-  poll, even without fail-fast armed here."""
+  poll, through the abort probe that armed fail-fast registers."""
   client = _Coordinator()
-  client.key_value_set(agreement.ABORT_KEY,
+  client.key_value_set(failfast.ABORT_KEY,
                        "process 1 failed with ValueError: boom"
-                       + agreement.ABORT_CODE_MARK + "3")
-  t0 = time.monotonic()
-  with pytest.raises(RuntimeError, match=r"another process failed while "
-                     r"this one waited for the others' t \(round 1\): "
-                     r"process 1 failed with ValueError: boom$"):
-    agreement.exchange_round(client, 0, 2, "t", 1, "x", timeout=60)
-  assert time.monotonic() - t0 < 5
+                       + failfast.ABORT_CODE_MARK + "3")
+  restore = train.set_abort_probe(failfast.published_failure)
+  try:
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"another process failed while "
+                       r"this one waited for the others' t \(round 1\): "
+                       r"process 1 failed with ValueError: boom$"):
+      agreement.exchange_round(client, 0, 2, "t", 1, "x", timeout=60)
+    assert time.monotonic() - t0 < 5
+  finally:
+    restore()
+  # Without it (fail-fast not armed: no process publishes a failure), the
+  # wait goes on until its timeout.
+  with pytest.raises(TimeoutError):
+    agreement.exchange_round(client, 0, 2, "t", 2, "x", timeout=0.3)
 
 
 def _others_fed(monkeypatch, other_batch):

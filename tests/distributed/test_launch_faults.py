@@ -24,11 +24,11 @@ import types
 
 import pytest
 
-from zero_jax import _heartbeat
 from zero_jax import distributed
 from zero_jax.distributed import _failfast as failfast
 from zero_jax.distributed import _launcher as launch
 from zero_jax.distributed import _spawn as spawn
+from zero_jax.train import _hooks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -347,7 +347,7 @@ def test_step_done_touches_the_heartbeat_at_most_once_a_second(
   path.touch()
   os.utime(path, ns=(0, 0))  # (as the runner leaves it)
   monkeypatch.setenv(distributed.ENV_HEARTBEAT_FILE, str(path))
-  monkeypatch.setattr(_heartbeat, "_due", 0.0)
+  monkeypatch.setattr(_hooks, "_due", 0.0)
   distributed.step_done()
   assert os.stat(path).st_mtime_ns > 0
   os.utime(path, ns=(1, 1))
@@ -356,7 +356,7 @@ def test_step_done_touches_the_heartbeat_at_most_once_a_second(
   # The launcher removed the file (it is ending the job): touched, never
   # created.
   path.unlink()
-  monkeypatch.setattr(_heartbeat, "_due", 0.0)
+  monkeypatch.setattr(_hooks, "_due", 0.0)
   distributed.step_done()
   assert not path.exists()
 

@@ -10,6 +10,7 @@ their own.
 
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -147,12 +148,20 @@ def test_demo_trains_with_the_deepspeed_config(runs, micro, devices):
   out = runs[f"deepspeed_{micro}_{devices}"]
   assert out.returncode == 0, out.stdout + out.stderr
   assert "global batch 32 = 4 micro-batch(es)" in out.stdout
-  assert "offload_optimizer='host'" in out.stdout
   rows = _rows(out.log)
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   for r in rows:
     assert r["loss_scale"] >= 2.0 ** 15 and "grad_norm" in r
     assert 0 < r["loss"] < 10 and "learning_rate" in r
+  # The flags as used: the config's (its CPU offload too), not the
+  # defaults it replaces.
+  (run,) = [l for l in out.stdout.splitlines() if l.startswith("run: ")]
+  for used in ("'stage': 2", "'compute_dtype': 'float16'",
+               "'batch_size': 32", "'grad_accum_steps': 4",
+               "'clip_grad_norm': None", "'offload_optimizer': 'host'"):
+    assert used in run, (used, run)
+  assert "clipping: none" in out.stdout
+  assert "norm None" not in out.stdout
 
 
 def test_the_config_contradicts_itself_on_8_devices():
@@ -200,7 +209,7 @@ def test_the_gpu_preset_runs_on_cpu_at_a_shrunk_size(runs):
   # the chunked loss (cuDNN attention only exists in GPU programs).
   out = runs["gpu"]
   assert out.returncode == 0, out.stdout + out.stderr
-  assert "compute_dtype='bfloat16'" in out.stdout
+  assert "'compute_dtype': 'bfloat16'" in out.stdout  # (the run: line)
   assert "remat auto chose none" in out.stdout
   assert "loss_chunk=16" in out.stdout
   rows = _rows(out.log)
@@ -250,7 +259,7 @@ def test_demo_trains_in_low_precision_on_one_device(runs, dtype):
   # detected." (CI's plain-install leg runs this.)
   out = runs[dtype]
   assert out.returncode == 0, out.stdout + out.stderr
-  assert f"compute_dtype='{dtype}'" in out.stdout
+  assert f"'compute_dtype': '{dtype}'" in out.stdout  # (the run: line)
   rows = _rows(out.log)
   assert [r["step"] for r in rows] == [1, 2] and 0 < rows[-1]["loss"] < 10
 
@@ -274,6 +283,21 @@ def test_demo_prints_the_step_1_loss_and_each_table_compile(runs):
   # Each said before the table it makes is printed.
   assert any(l.startswith("Per-device memory of the compiled train step")
              for l in lines[start + 5:])
+
+
+def test_demo_says_its_python_and_prints_a_sampled_continuation(runs):
+  # The training text is the running Python's standard library; greedy
+  # decoding of the small model once printed 100 underscores.
+  out = runs["table"]
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert (f"the Python {platform.python_version()} standard library's "
+          "source") in out.stdout
+  lines = out.stdout.splitlines()
+  (i,) = [i for i, l in enumerate(lines) if l.startswith("sample (")]
+  assert "sampled at temperature 0.8 with key 0" in lines[i]
+  sample = "\n".join(lines[i + 1:])
+  continuation = sample[sample.index(">>>") + 3:].split("\ntraining done")[0]
+  assert len(set(continuation)) > 5, continuation
 
 
 def test_demo_checks_plots_dependency_before_training(runs):

@@ -210,11 +210,11 @@ _TINY = dict(layers=4, hidden=128, heads=4, vocab=64, seq_len=16,
 
 @compiles_for_gpus
 def test_each_layer_is_gathered_once_a_direction_beside_gemms():
-  from zero_jax import analysis
-  _, plain = analysis.compile_gpt("h100", 8, 3, **_TINY,
-                                  overrides={"prefetch": False})
-  _, ahead = analysis.compile_gpt("h100", 8, 3, **_TINY,
-                                  overrides={"prefetch": True})
+  from zero_jax import analysis, models
+  _, plain = models.compile_gpt("h100", 8, 3, **_TINY,
+                                overrides={"prefetch": False})
+  _, ahead = models.compile_gpt("h100", 8, 3, **_TINY,
+                                overrides={"prefetch": True})
   loops = [a for a in analysis.overlap(ahead.hlo) if a.executions > 1]
   gathers = [a for a in loops if a.kind == "all-gather"]
   # One combined all-gather in the forward loop and one in the backward,

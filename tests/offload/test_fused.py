@@ -14,7 +14,7 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax import analysis, offload
+from zero_jax import analysis, models, offload
 from zero_jax.offload import _kernels, _loops
 from zero_jax.offload._buffers import aligned
 
@@ -286,8 +286,8 @@ def test_traffic_count_is_the_arrays_moved(monkeypatch, stage, accum, scope,
 def test_host_update_moves_4_bytes_a_parameter_at_1_3b():
   # GPT-1.3B on one device, bf16 compute: 2 bytes of gradient up and 2 of
   # compute copy down (the bound is 4.5), counted from the layout alone.
-  _, params = analysis.gpt_shapes(layers=24, hidden=2048, heads=16,
-                                  vocab=50304, seq_len=1024)
+  _, params = models.gpt_shapes(layers=24, hidden=2048, heads=16,
+                                vocab=50304, seq_len=1024)
   engine = zj.Engine(lambda p, b: 0.0, offload.adamw(1e-4), zj.ZeroConfig(
       stage=3, offload_optimizer="host", update_on="host",
       compute_dtype="bfloat16"), zj.make_mesh(num_devices=1))

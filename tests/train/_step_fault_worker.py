@@ -47,7 +47,7 @@ import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
 from tests import _models as m  # noqa: E402
-from zero_jax import _last_checkpoint  # noqa: E402
+from zero_jax.checkpoint import _last_checkpoint  # noqa: E402
 
 BAD_ROWS_PER_DEVICE = 8  # the batch that runs out of memory
 POISON = 1e7  # an input the callback refuses

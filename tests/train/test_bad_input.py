@@ -12,7 +12,6 @@ import pytest
 
 import zero_jax as zj
 from tests import _models as m
-from zero_jax import _heartbeat
 
 
 @functools.cache
@@ -144,7 +143,7 @@ def test_each_step_reports_progress_to_the_launchers_watchdog(
   os.utime(beat, ns=(0, 0))
   monkeypatch.setenv(zj.distributed.ENV_HEARTBEAT_FILE, str(beat))
   calls = []
-  remove = _heartbeat.add_listener(lambda: calls.append(1))
+  remove = zj.train.add_step_listener(lambda: calls.append(1))
   try:
     engine = _engine()
     state = engine.init(m.mlp_params())

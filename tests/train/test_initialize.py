@@ -78,7 +78,8 @@ def test_unfilled_autos_are_listed_in_one_error_and_keywords_checked():
     zj.initialize(m.mlp_loss, m.mlp_params(), _CONFIG)
   message = str(info.value)
   for key in ("'optimizer.params.lr': pass learning_rate",
-              "'optimizer.params.betas': pass adam_beta1 and adam_beta2",
+              "'optimizer.params.betas': pass adam_beta1=... and "
+              "adam_beta2=...,",
               "'gradient_clipping': pass max_grad_norm",
               "'bf16.enabled': pass bf16"):
     assert key in message, message

@@ -1,6 +1,6 @@
 """The train step's layout: built once, frozen, and all the step needs.
 
-``Engine`` is a facade: the same training runs from a ``Layout`` and the
+``Engine`` is a facade: the same training runs from a ``StepPlan`` and the
 pure functions of ``zero_jax.train`` alone, and gives the engine's numbers.
 """
 
@@ -25,13 +25,13 @@ def test_the_step_is_a_function_of_layout_loss_state_and_batch():
   mesh = zj.make_mesh()
   tx = optax.adamw(1e-2)
   params, batches = m.mlp_params(), m.mlp_batches(3)
-  layout = zj.Layout.build(_config(), mesh, params, tx)
+  layout = zj.StepPlan.build(zl.decide(_config(), mesh), mesh, params, tx)
   step = train.jit_step(layout, train.Loss(m.mlp_loss))
   state = layout.update.init(layout, params)
   losses = []
   for b in batches:
     b = jax.device_put(b, layout.batch.sharding)
-    state, metrics, flag = step(state, b)
+    state, metrics, flag, _ = step(state, b)
     losses.append(float(metrics["loss"]))
   assert flag is None  # (no float16 loss scaling)
   engine = zj.Engine(m.mlp_loss, tx, _config(), mesh)
@@ -73,7 +73,7 @@ def test_one_update_strategy_per_placement(config, strategy, kind):
 
 
 def test_placement_decisions_are_enums():
-  pl = zl.Placement.of(_config(compute_dtype="bfloat16",
+  pl = zl.decide_placement(_config(compute_dtype="bfloat16",
                                offload_optimizer="host"))
   assert pl.compute_copy is zl.ComputeCopy.SHARDED
   assert pl.gather_from is zl.GatherFrom.COMPUTE
@@ -83,10 +83,10 @@ def test_placement_decisions_are_enums():
   assert pl.grads_on_host
   # (Either loss: at stage 3 the engine hands a global loss's leaves over
   # too, and sends their gradient shards to host memory.)
-  assert zl.Placement.of(_config(
+  assert zl.decide_placement(_config(
       compute_dtype="bfloat16", offload_optimizer="host",
       loss_scope="per_device")).grads_on_host
-  host = zl.Placement.of(_config(offload_params="host", update_on="host"))
+  host = zl.decide_placement(_config(offload_params="host", update_on="host"))
   assert host.master_memory is zl.Memory.HOST_CPU
   assert host.gather_from is zl.GatherFrom.HOST_COMPUTE
   assert host.gathers_from_host

@@ -281,8 +281,9 @@ def test_layers_gathered_one_layer_ahead_with_a_global_loss(mesh, prefetch):
   engine, params, batches = _accumulating("gpt", 3, mesh, prefetch=prefetch)
   losses, out, _ = m.train_engine(engine, params, batches)
   m.assert_matches(losses, out, *_reference("gpt"))
-  assert (f"prefetch ({prefetch}): each scanned layer is gathered while "
-          "the one before it runs" in engine.describe())
+  assert (f"prefetch ({prefetch}): each layer that zero_jax.layers."
+          "scan_layers runs is gathered while the one before it runs"
+          in engine.describe())
 
 
 @pytest.mark.parametrize("loss", ["masked_mean", "gpt"])
@@ -451,10 +452,10 @@ def test_a_16_bit_global_loss_sums_its_gradients_in_the_compute_dtype():
       cfg = zj.ZeroConfig(stage=3, compute_dtype=dtype,
                           reduce_dtype=reduce_dtype)
       assert cfg.loss_scope == "global"
-      assert zl.Placement.of(cfg).reduce_dtype == jnp.dtype(dtype)
+      assert zl.decide_placement(cfg).reduce_dtype == jnp.dtype(dtype)
     per_device = zj.ZeroConfig(stage=3, compute_dtype=dtype,
                                loss_scope="per_device")
-    assert zl.Placement.of(per_device).reduce_dtype == jnp.float32
+    assert zl.decide_placement(per_device).reduce_dtype == jnp.float32
 
 
 def _count(batch):

@@ -148,6 +148,6 @@ def test_bf16_halves_gathered_bytes(stage):
 
 
 def test_compute_dtype_validation():
-  with pytest.raises(ValueError, match="compute_dtype must be None or one"):
+  with pytest.raises(ValueError, match=r"compute_dtype\) must be None or one"):
     zj.ZeroConfig(compute_dtype="int8")
   assert zj.ZeroConfig(compute_dtype=BF16).compute_dtype == "bfloat16"

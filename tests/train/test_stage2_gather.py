@@ -23,7 +23,7 @@ import zero_jax as zj
 from tests import _models as m
 from tests._gpu import compiles_for_gpus
 from tests.train import _shared
-from zero_jax import analysis, layout
+from zero_jax import analysis, layout, models
 
 # (The per-device step's: with a loss of global meaning stage 2 keeps its
 # replicated copy, and describe() says so: test_loss_scope.py.)
@@ -100,8 +100,9 @@ def test_the_layout_and_describe_say_so():
   text = on.describe()
   assert ("no bfloat16 copy between steps; forward gathers each layer of "
           "the master's shards in bfloat16 and keeps it for backward") in text
-  assert ("prefetch (auto): each scanned layer is gathered while the one "
-          "before it runs, and kept for backward") in text
+  assert ("prefetch (auto): each layer that zero_jax.layers.scan_layers "
+          "runs is gathered while the one before it runs, and kept for "
+          "backward") in text
 
 
 def test_accumulation_keeps_the_replicated_copy_or_is_refused():
@@ -125,7 +126,7 @@ def test_what_stage_2_prefetch_cannot_honour_is_refused(kw):
     zj.ZeroConfig(**{**BF16, "prefetch": True, **kw})
   # ... and "auto" leaves the replicated copy there.
   config = zj.ZeroConfig(**{**BF16, **kw})
-  assert not layout.Placement.of(config).keeps_gathered or (
+  assert not layout.decide_placement(config).keeps_gathered or (
       kw == {"remat": "dots_saveable"})
 
 
@@ -141,9 +142,9 @@ def test_its_gathers_overlap_gemms_and_its_peak_is_no_higher():
   # reads what forward kept: no second gather), and the peak is no higher
   # (experiments/stage3_bench.py: lower at 1.3B and 6.7B, N = 8 to 256).
   per_device = {"loss_scope": "per_device"}
-  _, on = analysis.compile_gpt("h100", 8, 2, **_TINY, overrides=per_device)
-  _, off = analysis.compile_gpt("h100", 8, 2, **_TINY,
-                                overrides={**per_device, "prefetch": False})
+  _, on = models.compile_gpt("h100", 8, 2, **_TINY, overrides=per_device)
+  _, off = models.compile_gpt("h100", 8, 2, **_TINY,
+                              overrides={**per_device, "prefetch": False})
   got = analysis.overlap_summary(on.hlo)["all-gather"]
   was = analysis.overlap_summary(off.hlo)["all-gather"]
   assert got.overlapped >= 0.9 * got.total, got

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import zero_jax as zj
 from tests import _models as m
 from tests._gpu import compiles_for_gpus
-from zero_jax.analysis import compile_gpt
+from zero_jax.models import compile_gpt
 from zero_jax.layout import DATA
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
 from zero_jax.train import _update

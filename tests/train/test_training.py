@@ -223,8 +223,8 @@ def test_loss_scale_rules_match_deepspeed(hysteresis, consecutive):
                       loss_scale_window=4, hysteresis=hysteresis,
                       min_loss_scale=4.0, consecutive_hysteresis=consecutive)
   ds = _DeepSpeedDynamicLossScaler(2.0 ** 6, 4, 4.0, hysteresis, consecutive)
-  state = ls.init(cfg)
-  update = jax.jit(functools.partial(ls.update, config=cfg))
+  state = ls.init(zj.layout.decide(cfg, zj.make_mesh()))
+  update = jax.jit(functools.partial(ls.update, rules=cfg.loss_scaling))
   rng = np.random.default_rng(hysteresis)
   # Bursts of overflows and runs of clean steps, long enough to double.
   pattern = np.concatenate([rng.random(60) < 0.3, np.zeros(9, bool),

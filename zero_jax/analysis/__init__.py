@@ -8,14 +8,16 @@
   text: ``collectives``, ``summarize``, ``summarize_by_dtype``; the bytes
   it moves between host and device memory: ``host_transfers``);
 - compiling the train step for NVIDIA GPUs without one (``gpu_mesh``,
-  ``compile_step``; the reference GPT: ``compile_gpt``, and its GSPMD FSDP
-  peer: ``compile_gspmd_gpt``, ``compile_gspmd_step``, ``pinned_gpt_loss``)
-  and which of a compiled GPU program's asynchronous collectives overlap a
-  gemm (``overlap``, ``overlap_summary``). Ask for the GPUs
-  before anything touches JAX's devices: without a GPU, JAX's CUDA plugin
-  starts only with ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` set, which
-  ``gpu_mesh`` sets then (importing this package sets nothing);
-- the command line ``python -m zero_jax.estimate`` (``main``).
+  ``compile_step``, and the GSPMD FSDP peer of a step:
+  ``compile_gspmd_step``; the reference GPT's are ``zero_jax.models``'
+  ``compile_gpt`` and ``compile_gspmd_gpt``) and which of a compiled GPU
+  program's asynchronous collectives overlap a gemm (``overlap``,
+  ``overlap_summary``). Ask for the GPUs before anything touches JAX's
+  devices: without a GPU, JAX's CUDA plugin starts only with
+  ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` set, which ``gpu_mesh`` sets then
+  (importing this package sets nothing);
+- the command line ``python -m zero_jax.estimate`` (``main``, handed
+  ``zero_jax.models`` to compile the reference GPT).
 """
 
 from zero_jax.analysis._aot import (INSTALL_HINT, TARGETS, CompiledStep,
@@ -24,9 +26,7 @@ from zero_jax.analysis._aot import (INSTALL_HINT, TARGETS, CompiledStep,
 from zero_jax.analysis._cli import main
 from zero_jax.analysis._arguments import parse_count
 from zero_jax.analysis._comm import comm_in_psi, comm_volume, estimate_comm
-from zero_jax.analysis._gpt_step import (compile_gpt, compile_gspmd_gpt,
-                                         compile_gspmd_step, gpt_shapes,
-                                         pinned_gpt_loss)
+from zero_jax.analysis._gspmd import compile_gspmd_step
 from zero_jax.analysis._hlo import (Collective, axes_of, collectives,
                                     replica_groups, sent_across_nodes,
                                     summarize, summarize_by_dtype)
@@ -59,15 +59,12 @@ __all__ = [
     "collectives",
     "comm_in_psi",
     "comm_volume",
-    "compile_gpt",
-    "compile_gspmd_gpt",
     "compile_gspmd_step",
     "compile_step",
     "compiled_memory",
     "estimate_activations",
     "estimate_comm",
     "estimate_memory",
-    "gpt_shapes",
     "gpu_devices",
     "gpu_mesh",
     "host_transfers",
@@ -80,7 +77,6 @@ __all__ = [
     "param_count",
     "parse_count",
     "per_device_bytes",
-    "pinned_gpt_loss",
     "replica_groups",
     "sent_across_nodes",
     "summarize",

@@ -40,7 +40,7 @@ from zero_jax._devices import record_spec_memory
 from zero_jax.analysis import _hlo as hlo
 from zero_jax.analysis import _measure as measure
 from zero_jax.analysis import _transfers as transfers_
-from zero_jax.layout import make_mesh
+from zero_jax.layout import UpdateKind, make_mesh
 
 # No driver is needed to compile, but without this variable the CUDA plugin
 # refuses to start where it cannot check the CUDA libraries against one (a
@@ -218,7 +218,7 @@ def compile_step(engine, params: Any, batch: Any) -> CompiledStep:
     compiled = engine.step.lower(state, batch).compile()
   text = compiled.as_text()
   moved = transfers_.host_transfers(text)
-  if engine.config.update_on == "host":
+  if engine.placement.update is UpdateKind.HOST:
     # The device's program returns the gradients (those it did not send to
     # host memory itself go now) and is given the compute copy the host's
     # update made.

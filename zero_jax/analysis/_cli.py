@@ -19,9 +19,11 @@ Example::
 
 ``--compile TARGET`` also compiles the reference GPT
 (``zero_jax.models.GPT``, fused attention, AdamW) of that shape for N GPUs
-of the target (``compile_gpt``; needs the ``gpu-compile`` extra) and prints
-the compiled step's device peak, host bytes and collectives beside the
-estimate; ``--params`` is then the model's own count.
+of the target (``zero_jax.models.compile_gpt``; needs the ``gpu-compile``
+extra) and prints the compiled step's device peak, host bytes and
+collectives beside the estimate; ``--params`` is then the model's own
+count. ``models`` comes after ``analysis`` in the package's order, so
+``main`` is handed it (``gpt``): ``python -m zero_jax.estimate`` does.
 
 ``--model-parallel M`` combines ZeRO with model parallelism of degree M
 (``zero_jax.make_mesh(model=M)``): each device holds the model states of
@@ -47,7 +49,6 @@ from zero_jax.analysis import _comm as comm
 from zero_jax.analysis import _memory as memory
 from zero_jax.analysis._arguments import (COMPUTE_DTYPES, MAX_BYTES,
                                         build_parser)
-from zero_jax.analysis._gpt_step import compile_gpt, gpt_shapes
 from zero_jax.analysis._measure import param_count
 from zero_jax.config import NAMED_POLICIES, ZeroConfig
 
@@ -152,10 +153,11 @@ def _gib(x: float) -> str:
   return f"{x / _GIB:.3f}"
 
 
-def _compiled_report(args: argparse.Namespace, stage: int) -> list[str]:
+def _compiled_report(args: argparse.Namespace, stage: int,
+                     gpt: Any) -> list[str]:
   # The mesh is gpu_mesh(target, devices, replica=R, model=M).
   mp = args.model_parallel
-  _, c = compile_gpt(
+  _, c = gpt.compile_gpt(
       args.compile, args.devices, stage, layers=args.layers,
       hidden=args.hidden, heads=args.heads, vocab=args.vocab,
       seq_len=args.seq_len, micro_batch=args.micro_batch,
@@ -188,8 +190,9 @@ def _activations(args: argparse.Namespace) -> float | None:
       remat=args.remat)
 
 
-def report(args: argparse.Namespace) -> str:
-  """The text ``main`` prints for parsed arguments."""
+def report(args: argparse.Namespace, gpt: Any = None) -> str:
+  """The text ``main`` prints for parsed arguments (``gpt``: as
+  ``main``'s, needed with ``--compile``)."""
   compute = COMPUTE_DTYPES[args.compute_dtype]
   k = memory.optimizer_state_bytes(args.optimizer, args.k)
   n = _data_devices(args)
@@ -215,7 +218,7 @@ def report(args: argparse.Namespace) -> str:
   for stage in _stages(args):
     lines += _analytic_report(args, stage, activations)
     if args.compile is not None:
-      lines += _compiled_report(args, stage)
+      lines += _compiled_report(args, stage, gpt)
     lines.append("")
   lines.append("zero_jax keeps no gradient buffer between steps; gradients "
                "are counted because they are live at the update.")
@@ -225,7 +228,7 @@ def report(args: argparse.Namespace) -> str:
                  f"batch {args.micro_batch * args.devices // mp} x "
                  f"{args.seq_len} "
                  f"tokens, for {args.compile} GPUs (compiled without them: "
-                 "zero_jax.analysis.compile_gpt); peak = argument + output + "
+                 "zero_jax.models.compile_gpt); peak = argument + output + "
                  "temp - alias.")
   if activations is None and args.layers is not None:
     lines.append(f"activations: no analytic estimate for remat="
@@ -242,11 +245,14 @@ def report(args: argparse.Namespace) -> str:
   return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, gpt: Any = None) -> int:
   """Runs the command line.
 
   Args:
     argv: arguments without the program name; None reads ``sys.argv``.
+    gpt: what ``--compile`` builds and compiles: ``zero_jax.models`` (its
+      ``gpt_shapes`` and ``compile_gpt``), as ``python -m zero_jax.estimate``
+      passes it; None: ``--compile`` is refused.
 
   Returns:
     0. Bad arguments exit through ``argparse`` (SystemExit, status 2) with a
@@ -278,12 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "model's width; give a --heads that divides --hidden")
   _check_config(parser, args)
   if args.compile is not None:
-    _check_compile(parser, args)
+    _check_compile(parser, args, gpt)
   elif args.params is None:
     parser.error("--params is required (or --compile TARGET with the "
                  "model's shape, which counts them)")
   _check_estimate(parser, args)
-  print(report(args))
+  print(report(args, gpt))
   return 0
 
 
@@ -367,9 +373,13 @@ def _check_estimate(parser: argparse.ArgumentParser,
                    "check --params (7.5e9, 1.3B, 125M)")
 
 
-def _check_compile(parser: argparse.ArgumentParser,
-                   args: argparse.Namespace) -> None:
+def _check_compile(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   gpt: Any) -> None:
   """Validates ``--compile`` and fills ``args.params`` with the GPT's count."""
+  if gpt is None:
+    parser.error("--compile builds zero_jax.models' reference GPT: run "
+                 "python -m zero_jax.estimate (or pass "
+                 "zero_jax.analysis.main gpt=zero_jax.models)")
   if args.compile not in aot.TARGETS:
     parser.error(f"unknown --compile target {args.compile!r}; choose one of "
                  f"{', '.join(sorted(aot.TARGETS))}")
@@ -383,9 +393,9 @@ def _check_compile(parser: argparse.ArgumentParser,
     aot.gpu_devices(args.compile, 1)
   except (ImportError, RuntimeError) as e:
     parser.error(str(e))
-  _, shapes = gpt_shapes(layers=args.layers, hidden=args.hidden,
-                         heads=args.heads, vocab=args.vocab,
-                         seq_len=args.seq_len)
+  _, shapes = gpt.gpt_shapes(layers=args.layers, hidden=args.hidden,
+                             heads=args.heads, vocab=args.vocab,
+                             seq_len=args.seq_len)
   psi = param_count(shapes)
   if args.params is not None and abs(args.params - psi) > 0.01 * psi:
     parser.error(f"--params {_count(args.params)} disagrees with the "

@@ -40,7 +40,7 @@ from zero_jax._checks import check_bool, check_finite, check_float, check_int
 from zero_jax.analysis._inputs import (BYTES_FIX, PSI_FIX, check_replicated,
                                        check_stage, compute_bytes, data_axis)
 from zero_jax.config import ZeroConfig
-from zero_jax.layout import ComputeCopy, Placement
+from zero_jax.layout import ComputeCopy, Placement, decide_placement
 
 
 def paper_model_state_bytes(psi: float, n: int, stage: int, *,
@@ -352,7 +352,7 @@ def estimate_memory(psi: float, devices: int, stage: int, *,
                      "compute_dtype to offload the fp32 master")
   # Where master, moments and the compute copy live: the engine's rules.
   # (Only whether a 16-bit copy exists matters to the layout; c sizes it.)
-  pl = Placement.of(ZeroConfig(
+  pl = decide_placement(ZeroConfig(
       stage=stage, compute_dtype=None if c is None else "bfloat16",
       offload_optimizer="host" if offload_optimizer else None,
       offload_params="host" if offload_params else None,

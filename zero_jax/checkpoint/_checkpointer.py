@@ -5,29 +5,21 @@ and the optimizer state as whole arrays (each written as its shards by the
 process that owns them; nothing is gathered), the step, the rng key and the
 float16 loss scale. Layout is not part of it: restoring builds the target
 layout from the engine it is restored into (any stage, device count, mesh,
-offload) and orbax reads each device's shard of it straight from disk. So a
-checkpoint saved at stage 3 on 8 devices restores at stage 1 on 4, or at
-stage 0 on one, with no conversion step. The compute-dtype copy is not
-stored: it is a cast of the master, redone on restore.
+offload; no conversion step) and orbax reads each device's shard of it
+straight from disk. The compute-dtype copy is not stored: redone on restore.
 
-The training loop that resumes, saves and stops on preemption is in
-docs/checkpoints.md. ``export_params`` and ``load_params`` (``_export``)
-write and read the parameters alone, as plain orbax checkpoints.
+The loop that resumes, saves and stops on preemption is in
+docs/checkpoints.md; ``_export`` writes and reads the parameters alone.
 
 Nothing is lost and nothing restores silently wrong: every array carries a
 checksum, verified at restore (``_integrity``); every checkpoint records
-the run that wrote it, so that a save never mixes two histories: after
-``restore(step=k)``, the first save moves the abandoned steps after k aside
-(under ``abandoned/``), and a save into a directory of another run's
-checkpoints is refused (``_lineage``).
-
-Around ``Checkpointer``: ``_stored`` says what a checkpoint holds of a
-``TrainState``, ``_reader`` reads one back and explains a corrupt one,
-``_matching`` checks that a checkpoint fits the model and optimizer before
-orbax reads it, ``_multihost`` has the processes agree around a save,
-``_errors`` holds the errors, ``_files`` what it needs of the file system,
-and ``_orbax`` ends the threads that a failed asynchronous save leaves
-waiting (the one module that reads orbax's internals).
+its run (``_lineage``): after ``restore(step=k)`` the first save moves the
+abandoned steps after k to ``abandoned/``, and a save among another run's
+checkpoints is refused. Around ``Checkpointer``: ``_stored`` (what a
+checkpoint holds), ``_reader`` (reads one, explains a corrupt one),
+``_matching`` (does it fit the model), ``_multihost`` (agreeing on a save),
+``_errors``, ``_files`` (the file system), ``_last_checkpoint`` (the one a
+failed step names) and ``_orbax`` (the one reader of orbax's internals).
 """
 
 from __future__ import annotations
@@ -43,8 +35,8 @@ from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
-from zero_jax import _last_checkpoint, offload
-from zero_jax.checkpoint import _integrity, _lineage
+from zero_jax import offload
+from zero_jax.checkpoint import _integrity, _last_checkpoint, _lineage
 from zero_jax.checkpoint._errors import (CheckpointConflictError,
                                          CheckpointWriteError)
 from zero_jax.checkpoint._files import COMMIT_FILE, check_usable, commit_time
@@ -81,7 +73,6 @@ class Checkpointer:
       it (before that, and on a second SIGTERM, the process terminates as
       usual). Multi-process runs use JAX's preemption service instead,
       which agrees on one step for all processes.
-
     read_only: restore only: nothing is written, created or deleted, so a
       read-only mount works (``save`` raises). ``max_to_keep`` is ignored.
 
@@ -265,6 +256,7 @@ class Checkpointer:
     sync(f"zero_jax_set_aside_{parent_step}_{steps[-1]}")
     self._committed.difference_update(steps)
     self._manager.reload()
+    self._forget_if_gone()
     print(f"zero_jax.Checkpointer: steps {list(steps)} belong to the run "
           f"abandoned by restore(step={parent_step}); moved to "
           f"{str(folder)!r} (Checkpointer({str(folder)!r}, read_only=True) "
@@ -309,6 +301,7 @@ class Checkpointer:
         raise
     finally:
       self._sigterm.uninstall()
+      self._forget_if_gone()  # (e.g. its directory was removed)
 
   def _finish(self) -> None:
     """Waits for the pending save; a failure becomes a CheckpointWriteError
@@ -386,15 +379,22 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     """The steps of every complete checkpoint kept, oldest first.
 
-    Only committed zero_jax checkpoints count: a directory named like a
-    step that orbax never committed, or that zero_jax did not write, is
-    left out.
+    Only committed zero_jax checkpoints count: a step's directory that
+    orbax never committed, or that zero_jax did not write, is left out.
     """
     return [s for s in sorted(self._manager.all_steps())
             if self._is_committed(s)]
 
   def _step_path(self, step: int) -> epath.Path:
     return self._root / str(step)
+
+  def _forget_if_gone(self) -> None:
+    """Forgets the last checkpoint (a failed step names) if it is gone."""
+    last = _last_checkpoint.last()
+    if last is not None and last.directory == self.directory:
+      self._committed.discard(last.step)
+      if not self._is_committed(last.step):
+        _last_checkpoint.forget(self.directory)
 
   def _is_committed(self, step: int) -> bool:
     """Whether the directory of ``step`` is a finished zero_jax checkpoint:

@@ -22,7 +22,7 @@ from zero_jax.train import Engine, TrainState
 
 def export_params(engine: Engine, state: TrainState,
                   directory: str | os.PathLike, *,
-                  dtype: Any = jnp.float32) -> None:
+                  dtype: Any = jnp.float32, overwrite: bool = False) -> None:
   """Writes the parameters alone as a plain orbax checkpoint.
 
   The checkpoint holds one whole array per parameter, in the tree given to
@@ -31,19 +31,34 @@ def export_params(engine: Engine, state: TrainState,
   ``orbax.checkpoint.StandardCheckpointer().restore(os.path.abspath(
   directory))`` (whole numpy arrays; orbax takes only absolute paths), or
   with a target of ``jax.ShapeDtypeStruct`` leaves carrying shardings to
-  place each leaf on its devices. Each process writes only the shards its
-  devices hold, so no host ever holds the whole model.
+  place each leaf on its devices. An ``nnx.State`` needs the target
+  (``nnx.state(model, nnx.Param)``): without it orbax returns string keys
+  and ``value`` wrappers that ``nnx.update`` rejects. Each process writes
+  only the shards its devices hold, so no host ever holds the whole model.
 
   Args:
     engine: the engine ``state`` belongs to.
     state: the train state.
-    directory: a new directory (it must not exist).
+    directory: a new directory (it must not exist, unless ``overwrite``).
     dtype: the saved dtype, e.g. ``jnp.float32`` or ``jnp.bfloat16``; None
       keeps the dtypes given to ``Engine.init``.
+    overwrite: replace an earlier export in ``directory`` (a script run
+      again). Only an orbax checkpoint is replaced, never another
+      directory.
+
+  Raises:
+    FileExistsError: ``directory`` exists (without ``overwrite``, or it is
+      no orbax checkpoint).
   """
   directory = os.path.abspath(os.fspath(directory))
-  if os.path.exists(directory):
-    raise FileExistsError(f"{directory!r} exists; export to a new directory")
+  # (orbax's marker of a finished checkpoint: what overwrite may replace.)
+  export = os.path.isfile(os.path.join(directory, "_CHECKPOINT_METADATA"))
+  if os.path.exists(directory) and not (overwrite and export):
+    raise FileExistsError(
+        f"{directory!r} exists; export to a new directory" + (
+            ", or pass overwrite=True to replace this earlier export"
+            if export else " (it is no orbax checkpoint: overwrite=True "
+            "replaces only an earlier export)"))
   dtypes = engine.param_dtypes
   shards = engine.param_plan.shardings  # device memory, this engine's layout
   out = []
@@ -56,7 +71,7 @@ def export_params(engine: Engine, state: TrainState,
                      jnp.dtype(dt if dtype is None else dtype)))
   tree = jax.tree.unflatten(jax.tree.structure(state.params), out)
   with _unpinned_checkpointer() as ckptr:
-    ckptr.save(directory, args=ocp.args.PyTreeSave(tree))
+    ckptr.save(directory, args=ocp.args.PyTreeSave(tree), force=overwrite)
 
 
 def load_params(directory: str | os.PathLike, engine: Engine,

@@ -28,7 +28,9 @@ Notes on the mapping:
   ``learning_rate``, ...); a batch size the other two determine is left to
   ``ZeroConfig.batch_sizes``, which derives it on the mesh's devices as
   DeepSpeed does; a key without effect in zero_jax needs no value. Every
-  ``"auto"`` left is reported in one error, with the keyword that fills it.
+  ``"auto"`` left is reported in one error, with the keyword that fills it
+  (and, where ``from_deepspeed`` meets ``optimizer`` or ``scheduler``
+  sections, theirs too, naming ``zero_jax.initialize``, which reads them).
   A keyword that contradicts a value the config writes is an error too, as
   in the Trainer.
 * DeepSpeed's field names and their aliases (``param_persistence_threshold``
@@ -87,8 +89,9 @@ import os
 import re
 from typing import Any, Mapping
 
-from zero_jax.config._config import ZeroConfig
-from zero_jax.config._ds_auto import check_known, fill_autos, with_aliases_read
+from zero_jax.config._config import ZeroConfig, nest
+from zero_jax.config._ds_auto import (autos_left, check_known, fill_autos,
+                                     with_aliases_read)
 from zero_jax.config._ds_translate import Translator
 
 _MODES = ("error", "warn")
@@ -189,13 +192,13 @@ def read_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
     data = with_aliases_read(data)
     skip = () if optimizer else ("optimizer", "scheduler")
     problems = fill_autos(data, known, skip)
+    sections = [k for k in skip if k in data]
+    if problems and sections:
+      # One error for both (zj.initialize reads the sections): the
+      # sections' "auto" values too, with their keywords.
+      problems = fill_autos(data, known, ())
     if problems:
-      raise ValueError(
-          f"DeepSpeed config{source} has {len(problems)} \"auto\" value"
-          f"{'s' if len(problems) > 1 else ''} or keyword"
-          f"{'s' if len(problems) > 1 else ''} to fix (HuggingFace's Trainer"
-          f" fills \"auto\" from its arguments; pass them as keywords named "
-          f"as it names them):\n" + "\n".join(problems))
+      raise ValueError(autos_left(source, problems, sections))
     translator.top(data)
   except ValueError as e:
     if path is None or repr(path) in str(e):
@@ -203,7 +206,9 @@ def read_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
     raise ValueError(f"{e} (in {path!r})") from None
   translator.finish(source)
   try:
-    zero = ZeroConfig(**translator.kwargs, loss_scope=loss_scope)
+    # (Built in the nested form, each key in its section.)
+    zero = ZeroConfig(**nest({**translator.kwargs,
+                              "loss_scope": loss_scope}))
   except ValueError as e:
     sources = [f"{field} is {key!r}" for field, key in
                translator.sources.items()
@@ -246,7 +251,9 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *,
 
   Raises:
     ValueError: a value has the wrong type, an ``"auto"`` is left unfilled
-      (all are listed, each with the keyword that fills it), fp16 and bf16
+      (all are listed, each with the keyword that fills it; with
+      ``optimizer`` or ``scheduler`` sections, theirs too, and the message
+      names ``zero_jax.initialize``, which reads them), fp16 and bf16
       are both enabled, NVMe offload lacks its ``nvme_path`` or asks for
       parameters on NVMe, the file is not valid JSON, or (with
       ``unsupported="error"``) a key is not supported; the message names

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any, Mapping
 
 from zero_jax.config._ds_keys import (ALIASES, ANY, NO_EFFECT_KEYS, SWITCHED,
@@ -182,9 +183,11 @@ def fill_autos(data: dict[str, Any], known: Mapping[str, Any],
     same = (list(written) == list(value) if isinstance(written, list)
             and isinstance(value, list) else written == value)
     if not same:
+      given = (f"{words}={value!r} was passed" if words in AUTO_KEYWORDS
+               else f"{words} give {value!r}")
       problems.append(
-          f"  {path!r} is {written!r} but {words}={value!r} was passed: make "
-          f"them agree, or write \"auto\" in the config")
+          f"  {path!r} is {written!r} but {given}: make them agree, or "
+          f"write \"auto\" in the config")
   # Top-level sections refused as a whole are not read (their refusal says
   # so); nor is what the caller does not read.
   readable = [k for k in data if k not in skip and (
@@ -219,9 +222,38 @@ def fill_autos(data: dict[str, Any], known: Mapping[str, Any],
       if is_auto(data.get(key)):
         data[key] = None  # (derived by ZeroConfig.batch_sizes)
   for path, words in triple_left + left:
-    how = f"pass {words}=..." if words else "no keyword fills it"
+    how = f"pass {_with_values(words)}" if words else "no keyword fills it"
     problems.append(f"  {path!r}: {how}, or replace 'auto' with a value")
   return problems
+
+
+def _with_values(words: str) -> str:
+  """``words`` with ``=...`` after each keyword it names: "adam_beta1 and
+  adam_beta2" -> "adam_beta1=... and adam_beta2=..."."""
+  return re.sub(rf"\b({'|'.join(AUTO_KEYWORDS)})\b", r"\1=...", words)
+
+
+def autos_left(source: str, problems: list[str],
+               sections: list[str]) -> str:
+  """The error for the "auto" values left (``fill_autos``'s problems) of
+  the config read from ``source``; ``sections``: the ``optimizer`` and
+  ``scheduler`` sections it has that ``from_deepspeed`` does not read,
+  which ``zero_jax.initialize`` reads (and fills) too."""
+  many = "s" if len(problems) > 1 else ""
+  head = (f"DeepSpeed config{source} has {len(problems)} \"auto\" value"
+          f"{many} or keyword{many} to fix")
+  if sections:
+    names = " and ".join(repr(k) for k in sections)
+    one = len(sections) == 1
+    head += (f", and {'an ' * one}{names} section{'s' * (not one)}, which "
+             "from_deepspeed does not read (it makes a ZeroConfig only). "
+             "zj.initialize(loss_fn, params, config, **keywords) handles "
+             "both: it fills the \"auto\" values from the keywords, and "
+             "builds the optimizer and its schedule from "
+             f"{'that section' if one else 'those sections'}")
+  return (head + ". HuggingFace's Trainer fills \"auto\" from its "
+          "arguments; pass them as keywords named as it names them:\n" +
+          "\n".join(problems))
 
 
 # Sections the translator reads key by key.

@@ -476,7 +476,9 @@ DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16",
 
 def warn(message: str) -> None:
   """Warns at the first frame outside zero_jax (the user's call)."""
-  package = os.path.dirname(os.path.abspath(__file__))
+  # (The package's directory, not this subpackage's: zero_jax.initialize
+  # and the config's other callers are zero_jax's too.)
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   level, frame = 1, sys._getframe(0)  # pylint: disable=protected-access
   while frame is not None and os.path.abspath(
       frame.f_code.co_filename).startswith(package + os.sep):

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, Callable
 
 from zero_jax._checks import check_choice, fail
-from zero_jax.config._config import STAGES
+from zero_jax.config._config import SHORTHAND, STAGES
 from zero_jax.config._ds_keys import (ALIASES, ANY, DEFAULT_ONLY, DTYPES,
                                      NO_EFFECT_KEYS, NOT_READ_BY_DEEPSPEED,
                                      SWITCHED,
@@ -223,9 +223,20 @@ def mapping_table_markdown() -> str:
   lines = ["| DeepSpeed key | ZeroConfig field | value |",
            "| --- | --- | --- |"]
   for row in MAPPING:
-    field = f"`{row.field}`" if row.field else "(none)"
+    field = _field(row.field) if row.field else "(none)"
     lines.append(f"| `{row.key}` | {field} | {row.note or 'copied'} |")
   return "\n".join(lines) + "\n"
+
+
+def _field(field: str) -> str:
+  """A row's field as the docs write it: where it lives in the nested
+  config, and its shorthand."""
+  head, _, rest = field.partition(".")
+  where = SHORTHAND.get(head)
+  if where is None:
+    return f"`{field}`"
+  full = ".".join(where + ((rest,) if rest else ()))
+  return f"`{full}` (`{field}`)"
 
 
 def _cell(text: str) -> str:
@@ -245,7 +256,7 @@ def key_list_markdown() -> str:
   lines = ["| DeepSpeed key | zero_jax | why, or how |",
            "| --- | --- | --- |"]
   for row in MAPPING:
-    to = f"mapped to `{row.field}`" if row.field else "read"
+    to = f"mapped to {_field(row.field)}" if row.field else "read"
     lines.append(f"| `{row.key}` | {to} | "
                  f"{_cell(row.note or 'copied')} |")
   for name, alias in ALIASES.items():

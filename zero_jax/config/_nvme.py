@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from zero_jax._checks import (check_bool, check_choice, check_int,
-                              check_str, fail)
+from zero_jax._checks import check_bool, check_int, fail
 
 _MIB = 2**20
 # O_DIRECT requests start and end on the disk's logical blocks: 4 KiB
@@ -101,44 +100,3 @@ class NvmeOptions:
       return cls(**value)
     fail("ZeroConfig.nvme", "NvmeOptions, a mapping of its fields or None",
          value, "e.g. zero_jax.NvmeOptions(buffer_count=4)")
-
-
-def offload_fields(config: Any) -> dict[str, Any]:
-  """``config``'s offload fields checked, each on its own: their
-  normalized values by name."""
-  out = {}
-
-  def check(name, f, *args, **kwargs):
-    out[name] = f(f"ZeroConfig.{name}", getattr(config, name), *args,
-                  **kwargs)
-
-  if config.offload_optimizer == "disk":
-    fail("ZeroConfig.offload_optimizer", "None, 'host' or 'nvme'", "disk",
-         "'nvme' keeps the optimizer state in files under nvme_path.")
-  check("offload_optimizer", check_choice, (None, "host", "nvme"),
-        "use 'host' to keep the optimizer state in host memory, 'nvme' in "
-        "files under nvme_path, None on the device.")
-  if config.offload_params == "nvme":
-    fail("ZeroConfig.offload_params", "None or 'host'", "nvme",
-         "parameters on NVMe are not implemented (the optimizer state's "
-         "tier is: offload_optimizer='nvme'); use 'host' for the fp32 "
-         "master shards in host memory.")
-  check("offload_params", check_choice, (None, "host"),
-        "use 'host' (stage 3) to keep the fp32 master shards in host "
-        "memory, None to keep them on the device.")
-  check("update_on", check_choice, ("device", "host"),
-        "'device' streams offloaded state through the device, 'host' "
-        "updates it on the host's CPU devices.")
-  check("delay_update", check_bool,
-        "True (with update_on='host') applies each update one step late.")
-  try:
-    out["nvme"] = NvmeOptions.of(config.nvme)
-  except ValueError as e:
-    raise ValueError(f"ZeroConfig.nvme={config.nvme!r} is not valid: {e}"
-                     ) from e
-  fix = "name a directory on a fast local disk (each process writes in it)"
-  if config.nvme_path is not None:
-    check("nvme_path", check_str, fix)
-    if not out["nvme_path"].strip():
-      fail("ZeroConfig.nvme_path", "a directory", config.nvme_path, fix)
-  return out

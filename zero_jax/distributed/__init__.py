@@ -6,7 +6,6 @@ Importing it sets nothing up in the process: ``initialize`` arms fail-fast,
 and the launcher's runner registers the watchdog's stack dump.
 """
 
-from zero_jax._heartbeat import ENV_HEARTBEAT_FILE, step_done
 from zero_jax.distributed._runtime import (ENV_COORDINATOR, ENV_CPU_DEVICES,
                                            ENV_NUM_PROCESSES, ENV_PROCESS_ID,
                                            initialize, is_main_process,
@@ -14,6 +13,7 @@ from zero_jax.distributed._runtime import (ENV_COORDINATOR, ENV_CPU_DEVICES,
                                            shutdown)
 from zero_jax.distributed._launcher import WATCHDOG_EXIT_CODE
 from zero_jax.distributed._launcher import main as launch_main
+from zero_jax.train import ENV_HEARTBEAT_FILE, step_done
 
 __all__ = [
     "ENV_COORDINATOR",

@@ -2,8 +2,10 @@
 
 Used by ``zero_jax.distributed`` (``initialize(fail_fast=True)``) and by
 ``python -m zero_jax.launch --watchdog`` (``Watchdog``, the launcher's side).
-Importing it sets nothing up: fail-fast is armed by ``initialize``, and the
-watchdog's stack dump by the launcher.
+Importing it sets nothing up: fail-fast is armed by ``initialize`` (which
+also hands ``zero_jax.train``'s hooks the probe for a published failure, so
+that the processes' batch check stops waiting), and the watchdog's stack
+dump by the launcher.
 
 Failures. In a multi-process run a process that dies must not leave the
 others hanging in a collective. JAX's coordination service covers part of
@@ -28,7 +30,7 @@ for the launcher (or JAX's heartbeats) to notice.
 
 Hangs. Under ``python -m zero_jax.launch --watchdog SECONDS`` every process
 reports its training steps through ``zero_jax.distributed.step_done()``
-(``zero_jax._heartbeat``; ``Engine.step`` calls it), which touches a
+(``zero_jax.train.step_done``; ``Engine.step`` calls it), which touches a
 per-process file the launcher watches (at most once a second; without the
 launcher's variable it does nothing). The launcher's runner registers
 ``faulthandler`` on the stack-dump signal in every process before the script
@@ -45,11 +47,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from zero_jax import _heartbeat
-from zero_jax._agreement import ABORT_CODE_MARK as _CODE_MARK
-from zero_jax._agreement import ABORT_KEY as _ABORT_KEY
 from zero_jax._compat import distributed_state
+from zero_jax.train import add_step_listener, set_abort_probe
 
+# Where a failing process writes its error, then its exit code after
+# ``ABORT_CODE_MARK`` unless it is 1; the other processes' fail-fast, and
+# their batch check while it waits (``published_failure``), read it.
+ABORT_KEY = "zero_jax/abort"
+ABORT_CODE_MARK = "\x1f"  # (a character no error message holds)
 _POLL_SECONDS = 1.0
 # How long a failing process waits for its error to reach the coordinator.
 _PUBLISH_SECONDS = 5.0
@@ -145,7 +150,7 @@ class _FailFast:
       if _client() is not self._client:
         return  # jax.distributed.shutdown() was called
       try:
-        message = self._client.key_value_try_get(_ABORT_KEY)
+        message = self._client.key_value_try_get(ABORT_KEY)
       except Exception:  # pylint: disable=broad-except
         # NOT_FOUND: nobody failed. Anything else: the coordinator is gone,
         # and JAX's own error polling terminates this process.
@@ -179,7 +184,7 @@ class _FailFast:
 
   def training_went_on(self) -> None:
     """A step after a ``sys.exit`` the script caught: that call no longer
-    decides the exit code (a ``zero_jax._heartbeat`` listener)."""
+    decides the exit code (a ``zero_jax.train`` step listener)."""
     self.exit_requested = None
 
   def _excepthook(self, exc_type, exc, tb) -> None:
@@ -212,12 +217,12 @@ class _FailFast:
 
   def _publish(self, code: int, text: str) -> None:
     try:
-      self._client.key_value_set(_ABORT_KEY, _abort_value(code, text))
+      self._client.key_value_set(ABORT_KEY, _abort_value(code, text))
       return
     except Exception:  # pylint: disable=broad-except
       pass  # another process failed first, or the coordinator is gone
     try:
-      first = self._client.key_value_try_get(_ABORT_KEY)
+      first = self._client.key_value_try_get(ABORT_KEY)
     except Exception:  # pylint: disable=broad-except
       return
     # This failure is most likely the other's consequence (a collective
@@ -260,12 +265,12 @@ def _system_exit_code(code: Any) -> int:
 def _abort_value(code: int, text: str) -> str:
   """What a failing process publishes: its error, and its exit code unless
   that is 1 (an uncaught exception's)."""
-  return text if code == 1 else f"{text}{_CODE_MARK}{code}"
+  return text if code == 1 else f"{text}{ABORT_CODE_MARK}{code}"
 
 
 def _parse_abort(value: str) -> tuple[int, str]:
   """``(exit code, text)`` of an ``_abort_value``."""
-  text, mark, code = value.rpartition(_CODE_MARK)
+  text, mark, code = value.rpartition(ABORT_CODE_MARK)
   if mark:
     try:
       return int(code), text
@@ -282,26 +287,39 @@ def _stderr(message: str) -> None:
     pass
 
 
+def published_failure(client: Any) -> str | None:
+  """The error another process published on failing (through ``client``,
+  JAX's coordination-service client), or None: ``zero_jax.train``'s abort
+  probe while fail-fast is armed."""
+  try:
+    value = client.key_value_try_get(ABORT_KEY)
+  except Exception:  # pylint: disable=broad-except
+    return None  # (NOT_FOUND: nobody failed)
+  return str(value).partition(ABORT_CODE_MARK)[0]
+
+
 _fail_fast: _FailFast | None = None
-# Removes the armed guard's step listener (``zero_jax._heartbeat``).
-_remove_listener: Callable[[], None] | None = None
+# Remove what the armed guard registered with ``zero_jax.train``'s hooks:
+# its step listener and its abort probe.
+_unregister: list[Callable[[], None]] = []
 
 
 def start_fail_fast(client: Any, process_id: int) -> None:
   """Arms fail-fast for this process (``initialize(fail_fast=True)``)."""
-  global _fail_fast, _remove_listener
+  global _fail_fast
   _fail_fast = _FailFast(client, process_id)
   _fail_fast.start()
   # Every step resets a caught sys.exit: training went on after it.
-  _remove_listener = _heartbeat.add_listener(_fail_fast.training_went_on)
+  _unregister.append(add_step_listener(_fail_fast.training_went_on))
+  # A process that waits for the others' batch stops when one has failed.
+  _unregister.append(set_abort_probe(published_failure))
 
 
 def stop_fail_fast() -> None:
   """Disarms fail-fast, if armed (``zero_jax.distributed.shutdown``)."""
-  global _fail_fast, _remove_listener
-  if _remove_listener is not None:
-    _remove_listener()
-    _remove_listener = None
+  global _fail_fast
+  while _unregister:
+    _unregister.pop()()
   if _fail_fast is not None:
     _fail_fast.stop()
     _fail_fast = None

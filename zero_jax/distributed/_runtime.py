@@ -22,8 +22,8 @@ single process.
 Failures and hangs (a process that fails or stops making steps must not
 leave the others waiting in a collective): ``initialize`` arms fail-fast
 (``_failfast.py``); ``python -m zero_jax.launch --watchdog`` ends a hung job,
-fed by ``zero_jax.distributed.step_done`` (``zero_jax._heartbeat``, which
-``Engine.step`` calls).
+fed by ``zero_jax.distributed.step_done`` (``zero_jax.train.step_done``,
+which ``Engine.step`` calls).
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax._agreement import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from zero_jax._compat import backends_started, cluster_kinds, distributed_state
 from zero_jax.distributed import _failfast
 from zero_jax.layout import batch_axes
+from zero_jax.train import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 # Set by ``python -m zero_jax.launch`` for each process it starts (with
-# ENV_NUM_PROCESSES and ENV_PROCESS_ID, which zero_jax._agreement reads too).
+# ENV_NUM_PROCESSES and ENV_PROCESS_ID, which the step's batch check in
+# zero_jax.train reads too).
 ENV_COORDINATOR = "ZERO_JAX_COORDINATOR"
 ENV_CPU_DEVICES = "ZERO_JAX_CPU_DEVICES"
 # Seconds without heartbeats after which the coordination service declares a

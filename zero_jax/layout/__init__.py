@@ -2,10 +2,13 @@
 (the plan; over ``model`` as the user's model says: ``model_specs``), and
 where each part of the state lives (the placement).
 
-Data flows config -> mesh -> plan and placement; everything the train step
-does follows from these three decisions.
+Data flows config -> mesh -> decisions (``decide``: the one reader of the
+config, each choice with its reason, the placement among them) -> plan;
+everything the train step does follows from them.
 """
 
+from zero_jax.layout._decide import (BatchSizes, Decisions, check_mesh,
+                                     decide, decide_placement)
 from zero_jax.layout._mesh import (DATA, MODEL, REPLICA, auto_model_size,
                                    batch_axes, layout_mesh, make_mesh, replica_axes,
                                    simulate_cpu_devices)
@@ -18,6 +21,11 @@ from zero_jax.layout._plan import (LeafPlan, Plan, flat, is_plan, map_leaves,
                                    plan_leaf)
 
 __all__ = [
+    "BatchSizes",
+    "Decisions",
+    "check_mesh",
+    "decide",
+    "decide_placement",
     "ComputeCopy",
     "DATA",
     "GatherFrom",

@@ -21,6 +21,7 @@ runs: model parallelism within a node, ZeRO across nodes.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Sequence
 
 import jax
@@ -39,13 +40,29 @@ def simulate_cpu_devices(n: int = 8) -> None:
 
   Call it before anything lists devices or creates an array. It does
   nothing under ``python -m zero_jax.launch`` (which sets each process's
-  count) or where ``XLA_FLAGS`` already asks for a count.
+  count) or where ``XLA_FLAGS`` already asks for a count, nor where JAX
+  already started with ``n`` CPU devices.
+
+  Raises:
+    RuntimeError: JAX already started its backends with another count (the
+      count is fixed then); the message says to call it first.
   """
   if ("ZERO_JAX_CPU_DEVICES" in os.environ or
       "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS",
                                                                "")):
     return
-  jax.config.update("jax_num_cpu_devices", n)
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:  # (JAX's: its backends are initialized)
+    have = len(jax.devices("cpu"))
+    if have == n:
+      return
+    raise RuntimeError(
+        f"zero_jax.simulate_cpu_devices({n}) came too late: JAX has started"
+        f" already, with {have} CPU device(s), and its device count cannot "
+        "change now. Call it first thing, right after `import zero_jax`, "
+        "before anything creates an array or lists devices (jnp.zeros, "
+        "jax.devices(), zero_jax.make_mesh(), a model's init).") from None
 
 
 def make_mesh(num_devices: int | None = None,
@@ -55,7 +72,9 @@ def make_mesh(num_devices: int | None = None,
 
   Args:
     num_devices: use only the first ``num_devices`` devices (handy to compare
-      device counts in one process). Default: all of them.
+      device counts in one process). Default: all of them; where that is
+      one CPU device of a machine with more cores, a warning names
+      ``simulate_cpu_devices``.
     devices: explicit devices; overrides ``num_devices``.
     replica: number of replica groups R. 1 (default) gives a 1-D ``data``
       mesh; R > 1 gives a 2-D ``(replica, data)`` mesh of shape
@@ -77,10 +96,12 @@ def make_mesh(num_devices: int | None = None,
       if not 1 <= num_devices <= len(devices):
         raise ValueError(
             f"num_devices={num_devices} but {len(devices)} devices are "
-            "visible; on CPU set XLA_FLAGS=--xla_force_host_platform_device_"
-            "count=N (or jax.config.update('jax_num_cpu_devices', N)) before "
-            "jax is first used.")
+            "visible; on CPU call zero_jax.simulate_cpu_devices(N) first "
+            "thing (or set XLA_FLAGS=--xla_force_host_platform_device_count"
+            "=N), before JAX is first used.")
       devices = devices[:num_devices]
+    elif len(devices) == 1:
+      _warn_if_one_cpu_device(devices[0])
   devices = list(devices)
   for name, value in (("replica", replica), ("model", model)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -98,6 +119,22 @@ def make_mesh(num_devices: int | None = None,
   return jax.make_mesh(tuple(shape[a] for a in names), names,
                        axis_types=(AxisType.Auto,) * len(names),
                        devices=devices)
+
+
+def _warn_if_one_cpu_device(device: jax.Device) -> None:
+  """Warns when the process's only device is a CPU device of a machine with
+  more cores: most likely ``simulate_cpu_devices`` was not called, and
+  ZeRO would shard nothing."""
+  cores = os.cpu_count() or 1
+  if (device.platform != "cpu" or cores == 1 or jax.process_count() > 1 or
+      "ZERO_JAX_CPU_DEVICES" in os.environ):
+    return
+  warnings.warn(
+      "zero_jax.make_mesh: JAX has 1 CPU device, so ZeRO shards nothing "
+      f"(this machine has {cores} cores). For a multi-device mesh on CPU, "
+      "call zero_jax.simulate_cpu_devices(n) first thing, before JAX starts"
+      " (before anything creates an array or lists devices); for one device"
+      " on purpose, zero_jax.make_mesh(num_devices=1).", stacklevel=3)
 
 
 def layout_mesh(mesh: Mesh):

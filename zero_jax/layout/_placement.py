@@ -1,6 +1,7 @@
 """Where each part of the ZeRO state lives, and where the update runs.
 
-One object, decided once from the config: the train step lays out and
+One object, decided once from the config by the decision pass
+(``zero_jax.layout.decide_placement``): the train step lays out and
 updates the state by it, ``estimate_memory`` counts bytes by it, and
 ``Engine.describe()`` prints it. The rules:
 
@@ -149,7 +150,7 @@ class Quantize:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """The layout decisions of one ``ZeroConfig``.
+  """The layout decisions of one ``ZeroConfig`` (``decide_placement``).
 
   Attributes:
     stage: the ZeRO stage.
@@ -191,94 +192,6 @@ class Placement:
   compute_memory: Memory = Memory.DEVICE
   quantize: Quantize = Quantize()
   counts_skips: bool = False
-
-  @classmethod
-  def of(cls, config, grad_accum_steps: int = 1) -> "Placement":
-    """The placement a ``ZeroConfig`` asks for (with this many
-    micro-batches per step: an accumulator stays on the device)."""
-    cd = config.compute_dtype
-    cd = None if cd in (None, "float32") else jnp.dtype(cd)
-    rd = config.reduce_dtype
-    # Unless asked otherwise (see ZeroConfig), a global loss's gradients
-    # are summed in the compute dtype, where the compiler's reduce-scatter
-    # finds them; the per-device step's own collectives sum them in fp32.
-    rd = (jnp.dtype(rd) if rd is not None else None if cd is None else
-          cd if config.loss_scope == "global" else jnp.dtype(jnp.float32))
-    stage = config.stage
-    offload_opt = config.offload_optimizer == "host"
-    offload_params = bool(config.offload_params)
-    loss_scaling = config.compute_dtype == "float16"
-    # Gradients straight to host memory, as backward makes them: the
-    # per-device step's own collectives do that, and with a global loss
-    # the stage-3 leaves the engine hands over itself. (Several
-    # micro-batches' gradients are summed in device memory first.)
-    one_pass = grad_accum_steps == 1 and (
-        config.loss_scope == "per_device" or stage == 3)
-    counts_skips = loss_scaling or config.skip_nonfinite
-    quantize = Quantize(weights=config.quantized_weights,
-                        gradients=config.quantized_gradients)
-    if config.update_on == "host":
-      # ZeRO-Offload's split: the device only ever holds the compute copy.
-      gather_from = None
-      if stage == 3:
-        gather_from = (GatherFrom.HOST_COMPUTE if offload_params else
-                       GatherFrom.COMPUTE)
-      return cls(stage=stage, compute_dtype=cd, reduce_dtype=rd,
-                 master_sharded=stage > 0, master_memory=Memory.HOST_CPU,
-                 opt_memory=Memory.HOST_CPU,
-                 compute_copy=(ComputeCopy.SHARDED if stage == 3 else
-                               ComputeCopy.REPLICATED),
-                 compute_memory=(Memory.PINNED_HOST if offload_params else
-                                 Memory.DEVICE),
-                 gather_from=gather_from, update=UpdateKind.HOST,
-                 loss_scaling=loss_scaling, counts_skips=counts_skips,
-                 quantize=quantize,
-                 grads_on_host=stage == 3 and one_pass)
-    compute_copy = None
-    # Stage 2 gathering the master's shards in forward instead of keeping
-    # a compute copy (FSDP's SHARD_GRAD_OP): only where nothing streams the
-    # state, and once per step, as the post-update gather it replaces.
-    # (Not with a loss of global meaning, whose collectives are the
-    # compiler's: stage 2 keeps its replicated copy there.)
-    gathers_master = (stage == 2 and cd is not None and not offload_opt
-                      and config.prefetch is not False
-                      and config.loss_scope == "per_device")
-    if gathers_master and grad_accum_steps > 1:
-      if config.prefetch is True:
-        raise ValueError(
-            "ZeroConfig.prefetch at stage 2 gathers the parameters in "
-            "forward, so each of the grad_accum_steps="
-            f"{grad_accum_steps} micro-batches would gather them again, where "
-            "the all-gather after the update runs once a step: use "
-            "prefetch='auto' (off with accumulation) or False.")
-      gathers_master = False
-    if stage in (1, 2) and cd is not None and not gathers_master:
-      compute_copy = ComputeCopy.REPLICATED
-    elif stage == 3 and cd is not None and offload_opt and not offload_params:
-      compute_copy = ComputeCopy.SHARDED
-    master_on_host = offload_params or (offload_opt and
-                                        compute_copy is not None)
-    gather_from = GatherFrom.MASTER if gathers_master else None
-    if stage == 3:
-      gather_from = (GatherFrom.HOST_MASTER if offload_params else
-                     GatherFrom.COMPUTE if compute_copy else
-                     GatherFrom.MASTER)
-    update = (UpdateKind.STREAMED if offload_opt or offload_params else
-              UpdateKind.DEVICE)
-    return cls(stage=stage, compute_dtype=cd, reduce_dtype=rd,
-               master_sharded=(stage == 3 or compute_copy is not None
-                               or gathers_master),
-               master_memory=(Memory.PINNED_HOST if master_on_host else
-                              Memory.DEVICE),
-               opt_memory=(Memory.PINNED_HOST if offload_opt else
-                           Memory.DEVICE),
-               compute_copy=compute_copy, gather_from=gather_from,
-               update=update, loss_scaling=loss_scaling,
-               counts_skips=counts_skips, quantize=quantize,
-               grads_on_host=(gather_from in (GatherFrom.COMPUTE,
-                                              GatherFrom.HOST_MASTER)
-                              and update is UpdateKind.STREAMED
-                              and one_pass))
 
   @property
   def master_on_host(self) -> bool:

@@ -1,6 +1,11 @@
 """Reference models: the GPT the demo, the benchmarks and the estimator use
-(scanned layers), and GPTs written with their blocks in a Python loop."""
+(scanned layers), and GPTs written with their blocks in a Python loop; the
+reference GPT's train step compiled for GPUs you do not have
+(``compile_gpt``, from shapes alone: ``gpt_shapes``) and its GSPMD FSDP
+peer (``compile_gspmd_gpt``, with the loss ``pinned_gpt_loss``)."""
 
+from zero_jax.models._compiled import (compile_gpt, compile_gspmd_gpt,
+                                       gpt_shapes, pinned_gpt_loss)
 from zero_jax.models._gpt import (ATTENTIONS, BLOCK_PARAMS, GPT, GPTConfig,
                                   block, layer_norm, make_loss_fn)
 from zero_jax.models._loop_gpt import loop_gpt
@@ -13,7 +18,11 @@ __all__ = [
     "GPTConfig",
     "block",
     "chunked_cross_entropy",
+    "compile_gpt",
+    "compile_gspmd_gpt",
+    "gpt_shapes",
     "layer_norm",
     "loop_gpt",
     "make_loss_fn",
+    "pinned_gpt_loss",
 ]

@@ -357,32 +357,32 @@ class GPT(nnx.Module):
              rng: jax.Array | None = None) -> jax.Array:
     """The final hidden state (B, T, d_model) that the head reads
     (``__call__``'s arguments)."""
-    cfg = self.config
+    gpt = self.config
     t = tokens.shape[-1]
-    if t > cfg.seq_len:
+    if t > gpt.seq_len:
       raise ValueError(f"input has {t} tokens but the model was built for "
-                       f"seq_len={cfg.seq_len}")
-    use_dropout = cfg.dropout > 0 and rng is not None
+                       f"seq_len={gpt.seq_len}")
+    use_dropout = gpt.dropout > 0 and rng is not None
     if not use_dropout:
       rng = None
 
     h = self.tok_emb[...][tokens] + self.pos_emb[...][:t]
     if rng is not None:
-      h = dropout(h, cfg.dropout, jax.random.fold_in(rng, cfg.n_layers))
+      h = dropout(h, gpt.dropout, jax.random.fold_in(rng, gpt.n_layers))
 
     def body(h, xs):
       layer_params, i = xs
       # Fold in the layer index so each layer drops different units.
       key = None if rng is None else jax.random.fold_in(rng, i)
-      h = block(h, layer_params, n_heads=cfg.n_heads,
-                dropout_rate=cfg.dropout, rng=key,
-                attention=cfg.attention)
+      h = block(h, layer_params, n_heads=gpt.n_heads,
+                dropout_rate=gpt.dropout, rng=key,
+                attention=gpt.attention)
       return h, None
 
-    xs = (self.blocks.stacked(), jnp.arange(cfg.n_layers))
+    xs = (self.blocks.stacked(), jnp.arange(gpt.n_layers))
     # scan_layers is lax.scan that, under a ZeRO engine, gathers (stage 3)
     # or reduce-scatters the gradients of (stage 2) one layer at a time.
-    h, _ = scan_layers(body, h, xs, remat=cfg.remat)
+    h, _ = scan_layers(body, h, xs, remat=gpt.remat)
 
     return layer_norm(h, self.ln_f_scale[...], self.ln_f_bias[...])
 

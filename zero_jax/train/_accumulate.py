@@ -16,18 +16,26 @@ and refuses a loss for which they differ.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zero_jax.config import Accumulation
+from zero_jax.layout import Decisions
+
+if TYPE_CHECKING:  # (the plan's module imports this one)
+  from zero_jax.train._step_plan import StepPlan
+
 # How far (relative) the micro-batches' weighed loss may land from the
 # whole batch's in the first step's float32 check: reduction order moves a
 # float32 mean by ~1e-7; a masked mean weighed equally, in-batch negatives
 # or a batch statistic move it by 1e-4 and more.
 SPLIT_RTOL = 1e-5
+
+_MEAN = Accumulation.MEAN_OF_MICRO_BATCHES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +59,7 @@ class Split:
   weight: Callable[[Any], Any] | None
 
   @classmethod
-  def of(cls, layout: Any, loss: Any) -> "Split":
+  def of(cls, layout: StepPlan, loss: Any) -> "Split":
     """The split of ``layout``'s batch for the engine's ``loss``."""
     return cls(layout.batch.grad_accum_steps, layout.batch.num_devices,
                layout.batch.sharding, loss.weight)
@@ -110,30 +118,30 @@ def finish(acc: Any, total: jax.Array) -> Any:
   return jax.tree.map(lambda a: a * jnp.where(total > 0, 1.0, jnp.nan), acc)
 
 
-def check_loss(config: Any, loss: Any, steps: int) -> None:
+def check_loss(decisions: Decisions, loss: Any, steps: int) -> None:
   """Raises where the engine's loss and config cannot make the step the
   config asks for: ``loss_weight`` where it weighs nothing, or a random
   loss whose split cannot be checked.
 
   Args:
-    config: the ``ZeroConfig``.
+    decisions: the engine's ``Decisions``.
     loss: the engine's ``_grads.Loss``.
     steps: micro-batches per step.
   """
-  if loss.weight is not None and config.loss_scope != "global":
+  if loss.weight is not None and not decisions.global_loss:
     raise ValueError(
         "Engine(loss_weight=...) weighs the micro-batches of a loss of "
         "global meaning; with loss_scope='per_device' each device's loss "
         "weighs the same: set ZeroConfig(loss_scope='global'), or drop "
         "loss_weight.")
   if (loss.weight is not None and
-      config.accumulation == "mean_of_micro_batches"):
+      decisions.accumulation is _MEAN):
     raise ValueError(
         "Engine(loss_weight=...) weighs micro-batches to train the whole "
         "batch's loss, but ZeroConfig.accumulation='mean_of_micro_batches' "
         "asks for each micro-batch to weigh the same: drop one of them.")
-  if (config.loss_scope == "global" and steps > 1 and loss.with_rng and
-      loss.weight is None and config.accumulation != "mean_of_micro_batches"):
+  if (decisions.global_loss and steps > 1 and loss.with_rng and
+      loss.weight is None and decisions.accumulation is not _MEAN):
     raise ValueError(
         f"a with_rng loss over grad_accum_steps={steps} micro-batches "
         "cannot be checked against the whole batch's loss (its random "
@@ -144,10 +152,10 @@ def check_loss(config: Any, loss: Any, steps: int) -> None:
         "(DeepSpeed's meaning), or grad_accum_steps=1.")
 
 
-def needs_check(config: Any, loss: Any, steps: int) -> bool:
+def needs_check(decisions: Decisions, loss: Any, steps: int) -> bool:
   """Whether the first step checks the split (``check_split``)."""
-  return (config.loss_scope == "global" and steps > 1 and
-          config.accumulation != "mean_of_micro_batches" and
+  return (decisions.global_loss and steps > 1 and
+          decisions.accumulation is not _MEAN and
           not loss.with_rng)
 
 
@@ -200,12 +208,12 @@ def check_split(split: Split, loss_of: Callable[[Any, Any], jax.Array],
       "each micro-batch's loss weighing the same.")
 
 
-def describe(config: Any, loss: Any, steps: int) -> str | None:
+def describe(decisions: Decisions, loss: Any, steps: int) -> str | None:
   """``Engine.describe``'s line on how a global loss's micro-batches make
   the step (None with one micro-batch or a per-device loss)."""
-  if config.loss_scope != "global" or steps == 1:
+  if not decisions.global_loss or steps == 1:
     return None
-  if config.accumulation == "mean_of_micro_batches":
+  if decisions.accumulation is _MEAN:
     return (f"accumulation: the mean of {steps} micro-batches' losses, each "
             "weighing the same (DeepSpeed's meaning)")
   how = ("weighed by loss_weight" if loss.weight is not None else

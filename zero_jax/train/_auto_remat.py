@@ -15,7 +15,6 @@ peaks behind it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import threading
 from typing import Any, Callable
@@ -24,6 +23,7 @@ import jax
 
 from zero_jax._devices import compiled_memory, device_memory
 from zero_jax.config import AUTO_CANDIDATES, RematPolicy
+from zero_jax.train._step_plan import StepPlan
 
 
 # Compiled peaks of the candidates compiled in this process, by program:
@@ -51,21 +51,21 @@ def _peak(lowered: Any, device: Any) -> int:
   return peak
 
 
-def choose(layout, lower: Callable[[Any], Any]) -> tuple[Any, str]:
+def choose(layout: StepPlan, lower: Callable[[Any], Any]) -> tuple[Any, str]:
   """The layout with the remat policy to trace the step with, and why.
 
   Args:
-    layout: a ``Layout`` whose remat is ``AUTO``.
+    layout: a ``StepPlan`` whose remat is ``AUTO``.
     lower: ``lower(layout)``, the step's ``Lowered`` for a layout.
 
   Returns:
     ``(layout, reason)``.
   """
-  budget = (layout.config.device_memory_bytes or
+  budget = (layout.decisions.device_memory_bytes or
             device_memory(layout.mesh.devices.flat[0]))
   tried = []
   for name in AUTO_CANDIDATES:
-    candidate = dataclasses.replace(layout, remat=RematPolicy(name))
+    candidate = layout.with_remat(RematPolicy(name))
     with jax.set_mesh(layout.mesh):
       peak = _peak(lower(candidate), layout.mesh.devices.flat[0])
     tried.append(f"{name} {peak / 2**30:.2f} GiB")

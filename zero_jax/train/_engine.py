@@ -1,8 +1,8 @@
-"""``Engine``: the facade over a ``Layout`` and its compiled step.
+"""``Engine``: the facade over a ``StepPlan`` and its compiled step.
 
 The engine keeps what a training script hands it (the loss, ``tx``, the
 config and the mesh), lays out the state for the parameters ``init`` is
-given (``Layout.build``), and runs the step (``engine.step``). Everything
+given (``StepPlan.build``), and runs the step (``engine.step``). Everything
 the step does is a function of the layout; the engine only holds it.
 """
 
@@ -17,13 +17,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from zero_jax import layers
 from zero_jax.config import RematPolicy, ZeroConfig
-from zero_jax.layout import (DATA, MODEL, REPLICA, Placement, Plan,
-                             model_specs)
-from zero_jax.train import _accumulate, _auto_remat, _init
-from zero_jax.train._global import describe_loss
+from zero_jax.layout import DATA, MODEL, REPLICA, Plan, decide, model_specs
+from zero_jax.train import _accumulate, _agreement, _init
 from zero_jax.train._grads import Loss
-from zero_jax.train._layout import (BatchLayout, Layout, check_mesh,
-                                    describe_prefetch, signature)
+from zero_jax.train._step_plan import (BatchLayout, StepPlan, describe_prefetch,
+                                    signature)
 from zero_jax.train._runner import StepFunction
 from zero_jax.train._state import TrainState, on_device
 
@@ -88,25 +86,32 @@ class Engine:
                mesh: Mesh, *, has_aux: bool = False, with_rng: bool = False,
                model_specs: Any = None, axis_rules: Any = None,
                loss_weight: Callable[[Any], Any] | None = None):
-    check_mesh(mesh)
     self.model_specs = model_specs
     self.axis_rules = axis_rules
     self.loss = Loss(loss_fn, has_aux, with_rng, loss_weight)
     self.tx = tx
     self.config = config
     self.mesh = mesh
-    self.batch = BatchLayout.of(config, mesh)
-    _accumulate.check_loss(config, self.loss, self.batch.grad_accum_steps)
+    # Every choice the config leaves to the mesh, made once, each with its
+    # reason: the only reader of the config.
+    self.decisions = decide(config, mesh)
+    self.batch = BatchLayout.of(self.decisions, mesh)
+    _accumulate.check_loss(self.decisions, self.loss,
+                           self.batch.grad_accum_steps)
     # Where master, moments, gradients and the compute copy live, and where
-    # the update runs: decided once.
-    self.placement = Placement.of(config, self.batch.grad_accum_steps)
+    # the update runs.
+    self.placement = self.decisions.placement
     # Built by init (or abstract_state) for the layout of its parameters.
-    self.layout: Layout | None = None
+    self.layout: StepPlan | None = None
     # Why remat="auto" chose its policy (set when the step is first
     # compiled); the blocks run one at a time, once the step is traced.
     self.remat_reason: str | None = None
     self.units_seen: dict[str, int] = {}
-    self.step = StepFunction(self)
+    self.step = StepFunction(
+        lambda: self.layout, self.loss, self.decisions,
+        units_seen=self.units_seen,
+        shard_batch=lambda batch: self.shard_batch(batch),
+        on_remat=self._remat_chosen)
 
   # ------------------------------------------------------- what it holds
   # (The loss is ``engine.loss``, the batch sizes ``engine.batch``, the rest
@@ -117,7 +122,7 @@ class Engine:
     """Devices state is sharded over: those on ``data``, times the
     ``replica`` groups with hpZ (``ZeroConfig.hpz_partition_size``)."""
     n = self.mesh.shape[DATA]
-    if self.config.hpz_partition_size > 1:
+    if self.decisions.hierarchical:
       n *= dict(self.mesh.shape).get(REPLICA, 1)
     return n
 
@@ -140,9 +145,10 @@ class Engine:
   @property
   def remat(self) -> RematPolicy:
     """The remat policy the step is traced with (``AUTO`` until chosen)."""
-    return self.config.remat if self.layout is None else self.layout.remat
+    return (self.decisions.remat if self.layout is None else
+            self.layout.remat)
 
-  def _laid_out(self) -> Layout:
+  def _laid_out(self) -> StepPlan:
     if self.layout is None:
       raise RuntimeError("call engine.init(params) (or abstract_state) "
                          "first: the layout follows the parameters")
@@ -171,12 +177,12 @@ class Engine:
 
   # ------------------------------------------------------------ layout
 
-  def _lay_out(self, params: Any) -> Layout:
+  def _lay_out(self, params: Any) -> StepPlan:
     """The layout for ``params``: built once per tree, shapes and dtypes
     (a restore after ``init`` reuses the layout and its compiled step)."""
     if self.layout is None or self.layout.signature != signature(params):
-      self.layout = Layout.build(self.config, self.mesh, params, self.tx,
-                                 placement=self.placement, batch=self.batch,
+      self.layout = StepPlan.build(self.decisions, self.mesh, params, self.tx,
+                                 batch=self.batch,
                                  model_specs=self._model_specs(params))
       self.units_seen.clear()
       self.remat_reason = None
@@ -194,12 +200,10 @@ class Engine:
   def choose_remat(self, state: TrainState, batch: Any) -> None:
     """With ``remat="auto"``: compiles the step with each candidate policy
     and keeps the fastest that fits (``remat_reason`` says why)."""
-    layout = self._laid_out()
-    if layout.remat is not RematPolicy.AUTO:
-      return
-    self.layout, self.remat_reason = _auto_remat.choose(
-        layout, lambda candidate: self.step.lower_with(candidate, state,
-                                                       batch))
+    self.step.choose_remat(self._laid_out(), state, batch)
+
+  def _remat_chosen(self, layout: StepPlan, reason: str) -> None:
+    self.layout, self.remat_reason = layout, reason
 
   # ------------------------------------------------------------------ API
 
@@ -287,8 +291,8 @@ class Engine:
     (in a single-process run: the whole batch).
 
     In a multi-process run every process must feed the same shapes: each
-    call checks it with the others (``zero_jax._agreement``: a round over
-    JAX's coordination service, nothing on the devices).
+    call checks it with the others (``_agreement``: a round over JAX's
+    coordination service, nothing on the devices).
 
     Raises:
       ValueError: in a multi-process run, a ``jax.Array`` leaf is on this
@@ -299,7 +303,6 @@ class Engine:
         one of several, but ``zero_jax.distributed.initialize()`` was
         never called.
     """
-    from zero_jax import _agreement  # pylint: disable=g-import-not-at-top
     nproc = jax.process_count()
     _agreement.check_batch(batch, nproc)
 
@@ -318,19 +321,20 @@ class Engine:
     """A table of every parameter: shape, and where it lives per device."""
     if self.layout is None:
       raise RuntimeError("call engine.init(params) before engine.describe()")
-    layout = self.layout
+    layout, n = self.layout, self.n
+    decided = layout.decisions
     pl = layout.placement
-    cfg = self.config
-    n = self.n
     where_ = f"{n} device(s) on '{DATA}'"
-    replica = dict(self.mesh.shape).get(REPLICA, 1)
-    if cfg.hpz_partition_size > 1:
+    if n == 1:  # (e.g. on CPU without zero_jax.simulate_cpu_devices)
+      where_ = (f"1 device on '{DATA}', so nothing is sharded (on CPU, "
+                "zero_jax.simulate_cpu_devices(n) before JAX starts gives n)")
+    replica, m = (dict(self.mesh.shape).get(a, 1) for a in (REPLICA, MODEL))
+    if decided.hierarchical:
       where_ = (f"{n} devices on ('{DATA}', '{REPLICA}') (hpZ: backward "
                 f"gathers a secondary copy over the {self.mesh.shape[DATA]} "
                 f"devices of '{DATA}')")
     elif replica > 1:
       where_ += f", replicated over {replica} '{REPLICA}' groups"
-    m = dict(self.mesh.shape).get(MODEL, 1)
     if m > 1:
       where_ += (f", inside {m}-way tensor parallelism on '{MODEL}' (the "
                  "model's own specs)")
@@ -343,7 +347,9 @@ class Engine:
       if lp.model_split:
         per_device = tuple(d // m if split else d
                            for d, split in zip(per_device, lp.model))
-      if lp.sharded:
+      if lp.sharded and n == 1:
+        where = f"not sharded (one device on '{DATA}'): {per_device}"
+      elif lp.sharded:
         where = (f"{lp.global_spec} -> {per_device} per device" if m > 1
                  else f"sharded dim {lp.dim} -> {per_device} per device")
         if lp.both:
@@ -361,34 +367,23 @@ class Engine:
     lines.append(f"optimizer state: {len(layout.opt_plan.rows())} leaves, "
                  f"{n_rep} replicated (scalars, small or indivisible)")
     lines.extend(pl.describe())
-    lines.append(describe_loss(cfg, pl))
-    accumulation = _accumulate.describe(cfg, self.loss,
-                                        self.grad_accum_steps)
-    if accumulation:
-      lines.append(accumulation)
     lines.extend(layout.update.describe(layout))
-    if cfg.remat is RematPolicy.AUTO:
-      lines.append(self.remat_reason or "remat auto: chosen when the step is "
-                   "first compiled (engine.step or engine.step.lower)")
-    prefetch = describe_prefetch(cfg, pl, layout.prefetch)
-    if prefetch:
-      lines.append(prefetch)
     lines.extend(layers.describe_units(layout.units, self.units_seen,
-                                       pl.stage, cfg.layer_classes))
-    if cfg.delay_update:
+                                       pl.stage, decided.layer_classes))
+    if decided.delay_update:
       lines.append("delay_update: each step reads the parameters from "
                    "before the previous step's update (DeepSpeed's "
                    "delayed parameter update), so the host's update "
                    "overlaps the next step")
-    if pl.loss_scaling:
-      lines.append("float16 loss scaling: " + (
-          f"static {cfg.loss_scale}" if cfg.loss_scale else
-          f"dynamic from 2**{cfg.initial_scale_power}, window "
-          f"{cfg.loss_scale_window}, hysteresis {cfg.hysteresis}, min "
-          f"{cfg.min_loss_scale}"))
-    if self.grad_accum_steps > 1 or cfg.clip_grad_norm is not None:
-      lines.append(f"{self.grad_accum_steps} micro-batch(es) per step; "
-                   f"clip to global norm {cfg.clip_grad_norm}")
+    # Every decision of the config on this mesh, with its reason (the
+    # accumulation's and prefetch's lines know the loss and the model).
+    said = {
+        "accumulation": _accumulate.describe(decided, self.loss,
+                                             self.grad_accum_steps),
+        "prefetch": describe_prefetch(decided, layout.units),
+        "remat": self.remat_reason}
+    for name, line in decided.reasons:
+      lines.append(said.get(name) or line)
     return "\n".join(lines)
 
   def replicated_params(self) -> list[str]:

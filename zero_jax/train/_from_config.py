@@ -11,6 +11,7 @@ passed, and the parameters are laid out on the mesh.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Mapping
 
 import optax
@@ -48,6 +49,8 @@ def initialize(loss_fn: Callable[..., Any], params: Any,
   Trainer names the arguments it fills them from
   (``zero_jax.config.AUTO_KEYWORDS``); a batch size the other two determine
   is derived on the mesh's devices (``train = micro x accum x devices``).
+  Its warnings (the config's keys without effect, ...) point at the line
+  that called it.
 
   Example::
 
@@ -96,23 +99,48 @@ def initialize(loss_fn: Callable[..., Any], params: Any,
     TypeError: a keyword is not one of ``AUTO_KEYWORDS``, or keywords are
       given with a ``ZeroConfig``.
   """
-  if isinstance(config, ZeroConfig):
-    if known or loss_scope is not None:
-      raise TypeError(
-          f"initialize got {sorted(known) or ['loss_scope']} with a "
-          "ZeroConfig: these fill in a DeepSpeed config's \"auto\" values "
-          "and its loss scope, and a ZeroConfig has its own; drop them")
-    zero, optimizer, scheduler = config, None, None
-  else:
-    read = read_deepspeed(config, unsupported=unsupported,
-                          loss_scope=loss_scope or "global", **known)
-    zero, optimizer, scheduler = read.zero, read.optimizer, read.scheduler
-  tx = _transformation(tx, optimizer, scheduler, known.get("learning_rate"))
-  if mesh is None:
-    mesh = make_mesh()
-  engine = Engine(loss_fn, tx, zero, mesh, has_aux=has_aux,
-                  with_rng=with_rng)
-  return engine, engine.init(params)
+  caught: list[warnings.WarningMessage] = []
+  try:
+    # Every warning from below is re-issued at the caller's line: those
+    # raised deep in the engine point at zero_jax's own lines.
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      if isinstance(config, ZeroConfig):
+        if known or loss_scope is not None:
+          raise TypeError(
+              f"initialize got {sorted(known) or ['loss_scope']} with a "
+              "ZeroConfig: these fill in a DeepSpeed config's \"auto\" "
+              "values and its loss scope, and a ZeroConfig has its own; "
+              "drop them")
+        zero, optimizer, scheduler = config, None, None
+      else:
+        read = read_deepspeed(config, unsupported=unsupported,
+                              loss_scope=loss_scope or "global", **known)
+        zero, optimizer, scheduler = (read.zero, read.optimizer,
+                                      read.scheduler)
+      tx = _transformation(tx, optimizer, scheduler,
+                           known.get("learning_rate"))
+      if mesh is None:
+        mesh = make_mesh()
+      engine = Engine(loss_fn, tx, zero, mesh, has_aux=has_aux,
+                      with_rng=with_rng)
+      return engine, engine.init(params)
+  finally:
+    _reissue(caught)
+
+
+def _reissue(caught: list[warnings.WarningMessage]) -> None:
+  """Issues the warnings ``initialize`` caught again, under the caller's
+  filters: zero_jax's at the line that called ``initialize``, any other at
+  its own line."""
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for w in caught:
+    if os.path.abspath(w.filename).startswith(package + os.sep):
+      # (1: here, 2: initialize, 3: its caller.)
+      warnings.warn(w.message, w.category, stacklevel=3)
+    else:
+      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                             source=w.source)
 
 
 def _needs_base_lr(scheduler: Mapping[str, Any]) -> bool:

@@ -8,15 +8,18 @@ compiler the rest. The per-device loss is ``_grads``'.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from zero_jax import layers, materialize
-from zero_jax.layout import Materialize, Placement, flat
+from zero_jax.layout import Materialize, flat
 from zero_jax.train import _accumulate
 from zero_jax.train._grads import Loss
+
+if TYPE_CHECKING:  # (the plan's module imports this one)
+  from zero_jax.train._step_plan import StepPlan
 
 
 # XLA options the global loss's step is compiled with where it does not
@@ -32,18 +35,7 @@ GLOBAL_LOSS_COMPILER_OPTIONS = {
 }
 
 
-def describe_loss(config: Any, placement: Placement) -> str:
-  """``Engine.describe``'s line on what ``loss_fn``'s value means."""
-  if config.loss_scope == "per_device":
-    return ("loss: per device (loss_fn on each device's slice of the "
-            "batch, averaged: DeepSpeed's meaning)")
-  summed = jnp.dtype(placement.reduce_dtype or jnp.float32).name
-  return ("loss: global (loss_fn once over the whole batch: one device's "
-          f"meaning; every collective the compiler's, gradients summed in "
-          f"{summed})")
-
-
-def hands_over(layout) -> bool:
+def hands_over(layout: StepPlan) -> bool:
   """Whether a step with a loss of global meaning hands its sharded
   parameters to the loss itself, with sharding constraints that place
   their collectives, rather than leave them where the compiler puts them:
@@ -56,21 +48,21 @@ def hands_over(layout) -> bool:
   return layout.placement.stage >= 2
 
 
-def global_loss(layout, loss: Loss, seen: dict[str, int] | None = None
+def global_loss(layout: StepPlan, loss: Loss, seen: dict[str, int] | None = None
                 ) -> Callable[..., tuple[jax.Array, Any]]:
   """``loss_of(full, batch, key, handed=()) -> (loss, aux)``: the engine's
   loss as the global step calls it, on full (compute-dtype) parameters,
   inside the step's ``LossContext`` (its remat, its layers, the batch's
   sharding). ``handed``: the ``HandedParam`` of each sharded leaf the
   engine gathers itself, a layer at a time in ``scan_layers``."""
-  cfg = layout.config
+  decided = layout.decisions
 
   def loss_of(full, batch, key, handed=()):
     context = materialize.LossContext.of(
-        list(handed), layout.remat, cfg.remat_names, full=full,
+        list(handed), layout.remat, decided.remat_names, full=full,
         units=layout.units,
-        layer_classes=cfg.layer_classes,
-        partition_activations=cfg.partition_activations,
+        layer_classes=decided.layer_classes,
+        partition_activations=decided.partition_activations,
         prefetch=layout.prefetch, batch_sharding=layout.batch.sharding)
     with materialize.handing_over(context), layers.intercepting(context):
       out = loss(full, batch, key)
@@ -81,8 +73,9 @@ def global_loss(layout, loss: Loss, seen: dict[str, int] | None = None
   return loss_of
 
 
-def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
-                   batch: Any, rng: jax.Array, scale: jax.Array | None,
+def loss_and_grads(layout: StepPlan, loss: Loss, params: Any,
+                   compute_params: Any, batch: Any, rng: jax.Array,
+                   scale: jax.Array | None,
                    seen: dict[str, int] | None = None):
   """``_grads.loss_and_grads`` for a loss of global meaning
   (``ZeroConfig.loss_scope="global"``).

@@ -13,7 +13,7 @@ gradients are finished after the last micro-batch (``finish``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,9 @@ from zero_jax import layers, materialize
 from zero_jax.layout import (ComputeCopy, LeafPlan, Materialize,
                              Placement, flat, map_leaves)
 from zero_jax.train import _checks
+
+if TYPE_CHECKING:  # (the plan's module imports this one)
+  from zero_jax.train._step_plan import StepPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,28 @@ class Loss:
 
 def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return jax.lax.pcast(x, axes, to="varying")
+
+
+class GradsStrategy(Protocol):
+  """How gradients are made and reduced (``_Local`` at stages 0-1,
+  ``_Sharded`` at stages 2-3, by ``strategy``): what is differentiated,
+  what ``loss_fn`` gets, the accumulators, and the reduction into the
+  update's layout."""
+
+  def wrt(self, params: Any, source: Any) -> Any:
+    """What is differentiated, from the master (``params``, None with
+    update_on="host") and what forward reads (``source``)."""
+
+  def full_params(self, wrt: Any, source: Any
+                  ) -> tuple[Any, list[materialize.HandedParam]]:
+    """The parameters ``loss_fn`` gets, and the sharded ones among them
+    for the ``LossContext``."""
+
+  def zeros(self, lp: LeafPlan, w: jax.Array) -> jax.Array:
+    """The micro-batch accumulator of one gradient leaf."""
+
+  def finish(self, g: Any) -> Any:
+    """The summed gradients reduced into the layout of the update."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +205,7 @@ class _Sharded:
 
 
 def strategy(placement: Placement, plans: Any, axes: tuple[str, ...],
-             n: int, streamed: Any = None) -> _Local | _Sharded:
+             n: int, streamed: Any = None) -> GradsStrategy:
   """The strategy of a placement's stage family.
 
   Args:
@@ -202,8 +227,9 @@ def strategy(placement: Placement, plans: Any, axes: tuple[str, ...],
   return _Sharded(plans, placement, axes, n, grads_to_host)
 
 
-def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
-                   batch: Any, rng: jax.Array, scale: jax.Array | None,
+def loss_and_grads(layout: StepPlan, loss: Loss, params: Any,
+                   compute_params: Any, batch: Any, rng: jax.Array,
+                   scale: jax.Array | None,
                    seen: dict[str, int] | None = None):
   """Per-device loss and gradients, reduced into the ZeRO layout.
 
@@ -214,7 +240,7 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
   loss scale, or None).
 
   Args:
-    layout: the ``Layout``.
+    layout: the ``StepPlan``.
     loss: what is trained.
     params: the fp32 master (None with update_on="host").
     compute_params: the compute copy (None where there is none).
@@ -228,7 +254,7 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
     ``(grads, loss, aux)``: loss and aux averaged over devices.
   """
   pl = layout.placement
-  cfg = layout.config
+  decided = layout.decisions
   axes = layout.batch.axes
   accum = layout.batch.grad_accum_steps
   family = layout.grads
@@ -253,9 +279,9 @@ def loss_and_grads(layout, loss: Loss, params: Any, compute_params: Any,
       def loss_of_wrt(wrt):
         full, handed = family.full_params(wrt, source)
         context = materialize.LossContext.of(
-            handed, layout.remat, cfg.remat_names, full=full,
-            units=layout.units, layer_classes=cfg.layer_classes,
-            partition_activations=cfg.partition_activations,
+            handed, layout.remat, decided.remat_names, full=full,
+            units=layout.units, layer_classes=decided.layer_classes,
+            partition_activations=decided.partition_activations,
             prefetch=layout.prefetch)
         with materialize.handing_over(context), layers.intercepting(context):
           out = loss_of(full, batch, key)

@@ -9,7 +9,7 @@ by slice, or on the host's CPU devices (``zero_jax.train._offloaded``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,9 @@ import numpy as np
 from zero_jax.train import _loss_scale
 from zero_jax.train._state import TrainState, compute_copy, on_device
 
+if TYPE_CHECKING:  # (the plan's module imports this one)
+  from zero_jax.train._step_plan import StepPlan
+
 
 def shape_of(x: Any, sharding: Any, dtype: Any = None
              ) -> jax.ShapeDtypeStruct:
@@ -25,25 +28,25 @@ def shape_of(x: Any, sharding: Any, dtype: Any = None
   return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=sharding)
 
 
-def first_loss_scale(layout) -> Any:
+def first_loss_scale(layout: StepPlan) -> Any:
   """The ``LossScaleState`` of a fresh run, or None where the placement
   keeps none."""
-  return (_loss_scale.init(layout.config) if layout.placement.counts_skips
+  return (_loss_scale.init(layout.decisions) if layout.placement.counts_skips
           else None)
 
 
-def make_state(layout, params: Any) -> TrainState:
+def make_state(layout: StepPlan, params: Any) -> TrainState:
   """The initial state from parameters already in the master's layout (any
   floating dtype): cast to the fp32 master, ``tx.init`` on it."""
   master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=master,
                     opt_state=layout.tx.init(master),
-                    rng=jax.random.PRNGKey(layout.config.seed),
+                    rng=jax.random.PRNGKey(layout.decisions.seed),
                     compute_params=compute_copy(layout.placement, master),
                     loss_scale=first_loss_scale(layout))
 
 
-def whole_initializer(layout, params: Any
+def whole_initializer(layout: StepPlan, params: Any
                       ) -> tuple[Callable[..., TrainState], tuple]:
   """``make_state`` jitted straight into the final layout (no device ever
   holds a full copy of a sharded leaf), and its argument's shapes."""
@@ -107,7 +110,7 @@ def fresh(params: Any, placed_params: Any) -> Any:
   return treedef.unflatten(ours)
 
 
-def placed(layout, params: Any, make: Callable[..., TrainState],
+def placed(layout: StepPlan, params: Any, make: Callable[..., TrainState],
            args: tuple) -> TrainState:
   """Runs an initializer (``make`` with arguments shaped as ``args``):
   ``params`` copied into the layout of ``args[0]``, and the buffers of the
@@ -126,7 +129,7 @@ def placed(layout, params: Any, make: Callable[..., TrainState],
   return make(placed_params, *buffers)
 
 
-def cast_copy(layout, master: Any) -> Any:
+def cast_copy(layout: StepPlan, master: Any) -> Any:
   """The compute copy cast from a (restored) master, on the device; None
   where the layout keeps none."""
   sh = layout.state_shardings
@@ -141,7 +144,7 @@ def cast_copy(layout, master: Any) -> Any:
   return jax.jit(cast, out_shardings=sh.compute_params)(master)
 
 
-def complete(layout, state: TrainState) -> TrainState:
+def complete(layout: StepPlan, state: TrainState) -> TrainState:
   """Fills in what a checkpoint does not store: the compute copy (a cast
   of the master), and the loss scale of this layout: the stored one where
   it is a float16 run's and this layout scales the loss, else a fresh one

@@ -24,7 +24,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from zero_jax.config import ZeroConfig
+from zero_jax.config import LossScaling
+from zero_jax.layout import Decisions
 
 
 @jax.tree_util.register_dataclass
@@ -46,16 +47,16 @@ class LossScaleState:
   skipped: jax.Array
 
 
-def init(config: ZeroConfig) -> LossScaleState:
+def init(decisions: Decisions) -> LossScaleState:
   """The state before the first step. Without float16 only the skip count
   is kept: the scale is 1 and the hysteresis 0, which no float16 state has
   (it marks the state as a skip count, e.g. in a checkpoint)."""
-  if config.compute_dtype != "float16":
+  s = decisions.loss_scaling
+  if not decisions.placement.loss_scaling:
     scale, hysteresis = 1.0, 0
   else:
-    scale = (config.loss_scale if config.loss_scale > 0 else
-             2.0 ** config.initial_scale_power)
-    hysteresis = config.hysteresis
+    scale = s.scale if s.scale > 0 else 2.0 ** s.initial_power
+    hysteresis = s.hysteresis
   return LossScaleState(scale=jnp.asarray(scale, jnp.float32),
                         good_steps=jnp.zeros((), jnp.int32),
                         hysteresis=jnp.asarray(hysteresis, jnp.int32),
@@ -63,14 +64,14 @@ def init(config: ZeroConfig) -> LossScaleState:
 
 
 def update(state: LossScaleState, finite: jax.Array,
-           config: ZeroConfig) -> tuple[LossScaleState, jax.Array]:
+           rules: LossScaling) -> tuple[LossScaleState, jax.Array]:
   """The state after a step whose gradients were ``finite`` (or not).
 
   Args:
     state: the state the step used.
     finite: scalar bool, whether every gradient element on every device was
       finite.
-    config: gives the rules' constants.
+    rules: the rules' constants.
 
   Returns:
     ``(new_state, overflow_at_min)``: the latter is True when the step
@@ -79,10 +80,10 @@ def update(state: LossScaleState, finite: jax.Array,
   """
   overflow = jnp.logical_not(finite)
   skipped = state.skipped + overflow.astype(jnp.int32)
-  if config.loss_scale > 0:  # static
+  if rules.scale > 0:  # static
     return dataclasses.replace(state, skipped=skipped), jnp.array(False)
-  full = jnp.asarray(config.hysteresis, jnp.int32)
-  min_scale = jnp.float32(config.min_loss_scale)
+  full = jnp.asarray(rules.hysteresis, jnp.int32)
+  min_scale = jnp.float32(rules.min_scale)
   shift = state.hysteresis <= 1
   at_min = overflow & shift & (state.scale <= min_scale)
   # Overflow: spend hysteresis, or halve once it is spent.
@@ -91,9 +92,9 @@ def update(state: LossScaleState, finite: jax.Array,
   o_hyst = jnp.where(shift, state.hysteresis, state.hysteresis - 1)
   # Clean step: double after a window of them.
   good = state.good_steps + 1
-  double = good % config.loss_scale_window == 0
+  double = good % rules.window == 0
   c_scale = jnp.where(double, state.scale * 2, state.scale)
-  c_hyst = (full if config.consecutive_hysteresis else
+  c_hyst = (full if rules.consecutive_hysteresis else
             jnp.where(double, full, state.hysteresis))
   new = LossScaleState(
       scale=jnp.where(overflow, o_scale, c_scale),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +24,13 @@ from zero_jax.layout import (DATA, MODEL, ComputeCopy, GatherFrom, LeafPlan,
                              UpdateKind, flat, map_leaves)
 from zero_jax.train import _init
 from zero_jax.train._state import TrainState, device_part, on_host
-from zero_jax.train._update import (OnDevice, compiler_options,
-                                    grad_shardings, injected_learning_rate,
-                                    new_state, prepare)
+from zero_jax.train._update import (OnDevice, StepOutputs,
+                                    compiler_options, grad_shardings,
+                                    injected_learning_rate, new_state,
+                                    prepare)
+
+if TYPE_CHECKING:  # (the plan's module imports this one)
+  from zero_jax.train._step_plan import StepPlan
 
 
 def _device_zeros(shape: tuple, dtype: Any, sharding: Any) -> jax.Array:
@@ -46,7 +50,7 @@ class Streamed(OnDevice):
   streamer: offload.Streamer
   kind = UpdateKind.STREAMED
 
-  def finish(self, layout, state, grads, metrics):
+  def finish(self, layout: StepPlan, state, grads, metrics):
     pl = layout.placement
     # Gradients in host memory are read a slice at a time.
     prepared = prepare(layout, grads, state.step, state.loss_scale,
@@ -77,7 +81,7 @@ class Streamed(OnDevice):
     return new_state(layout, state, master, opt_state, device_master,
                      prepared, metrics)
 
-  def initializer(self, layout, params):
+  def initializer(self, layout: StepPlan, params):
     """The streamed init, and its arguments: the placed parameters, then
     host buffers for the master and optimizer state (None where the
     buffer is made on the device or not needed)."""
@@ -102,7 +106,7 @@ class Streamed(OnDevice):
                    out_shardings=sh, donate_argnums=donate), (placed, master,
                                                               opt)
 
-  def _make_state(self, layout, params: Any, master: list,
+  def _make_state(self, layout: StepPlan, params: Any, master: list,
                   opt: list) -> TrainState:
     """The initial state, built slice by slice."""
     pl = layout.placement
@@ -134,11 +138,11 @@ class Streamed(OnDevice):
       master = materialize.gather_replicated(layout.param_plan, master)
     return TrainState(step=jnp.zeros((), jnp.int32), params=master,
                       opt_state=opt_state,
-                      rng=jax.random.PRNGKey(layout.config.seed),
+                      rng=jax.random.PRNGKey(layout.decisions.seed),
                       compute_params=compute_params,
                       loss_scale=_init.first_loss_scale(layout))
 
-  def traffic(self, layout) -> tuple[int, int]:
+  def traffic(self, layout: StepPlan) -> tuple[int, int]:
     """PCIe bytes per step and device, (to the device, to the host): the
     offloaded master and optimizer state come down slice by slice and go
     back; gradient shards kept in host memory go there once and come back
@@ -161,7 +165,7 @@ class Streamed(OnDevice):
           master, flat(layout.param_plan.leaves)) if lp.sharded)
     return state + 2 * grads + gathers, state + grads
 
-  def describe(self, layout):
+  def describe(self, layout: StepPlan):
     down, up = self.traffic(layout)
     line = (f"streamed update: {down / 2**20:,.1f} MiB to the device and "
             f"{up / 2**20:,.1f} MiB to the host per step and device over "
@@ -172,6 +176,26 @@ class Streamed(OnDevice):
                 GatherFrom.HOST_MASTER else "") +
             "); update_on='host' moves 4 to 6 bytes a parameter")
     return [line, *self.streamer.describe()]
+
+
+@dataclasses.dataclass
+class HostCarry:
+  """What ``OnHost`` keeps from one step to the next. The ``StepFunction``
+  holds it (and drops it on ``reset``: a new state, or a new layout);
+  ``OnHost.after`` updates it in place.
+
+  Attributes:
+    pending: with ``delay_update``: (the master the last step returned,
+      its compute copy still on the host's CPU devices), which the next
+      step sends up; None otherwise.
+    spare: the last compute copy sent to the device, whose host buffers
+      the next update writes its copy into; taken (set to None) before the
+      update, which donates it, so that a step that fails leaves no
+      deleted buffer behind.
+  """
+
+  pending: tuple[Any, Any] | None = None
+  spare: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -189,12 +213,8 @@ class OnHost:
   # made once ([layout, its prepare]; a new layout replaces it).
   _prepare_of: list = dataclasses.field(default_factory=lambda: [None, None],
                                         repr=False)
-  # The last compute copy sent to the device, whose host buffers the next
-  # update writes its copy into ([tree] or [None]).
-  _spare: list = dataclasses.field(default_factory=lambda: [None],
-                                   repr=False)
 
-  def jit(self, layout, fn):
+  def jit(self, layout: StepPlan, fn):
     # The device's program: gradients out for the host's update (in host
     # memory where backward sends them there). Nothing is donated: no
     # output takes an input's place; the step deletes the old compute copy
@@ -206,38 +226,40 @@ class OnHost:
       grads = map_leaves(
           lambda lp, s: s.with_memory_kind("pinned_host") if lp.sharded
           else s, layout.param_plan.leaves, grads)
-    return jax.jit(fn, out_shardings=(dataclasses.replace(
-        device_part(layout.state_shardings), compute_params=None,
-        loss_scale=None), r, grads), compiler_options=compiler_options(layout))
+    return jax.jit(fn, out_shardings=StepOutputs(
+        dataclasses.replace(device_part(layout.state_shardings),
+                            compute_params=None, loss_scale=None), r,
+        grads=grads), compiler_options=compiler_options(layout))
 
-  def finish(self, layout, state, grads, metrics):
+  def finish(self, layout: StepPlan, state, grads, metrics):
     # The rest is the host's program: the gradients leave as the reduction
     # made them.
     del layout
-    return (TrainState(step=state.step + 1, params=None, opt_state=None,
-                       rng=state.rng), metrics, grads)
+    return StepOutputs(TrainState(step=state.step + 1, params=None,
+                                  opt_state=None, rng=state.rng), metrics,
+                       grads=grads)
 
   def device_input(self, state):
     return device_part(state)
 
-  def after(self, layout, state, outputs, carry):
+  def after(self, layout: StepPlan, state, outputs, carry):
     """The host's update (dispatched asynchronously, like any jitted call),
-    then the new compute copy sent to the device. ``carry``: with
-    ``delay_update``, (the master the last step returned, its compute copy
-    still on the host's CPU devices)."""
-    new, metrics, grads = outputs
+    then the new compute copy sent to the device. ``carry``: the
+    ``HostCarry`` this returned last (None at first), updated in place."""
+    new, metrics, grads = outputs.state, outputs.metrics, outputs.grads
+    carry = carry if carry is not None else HostCarry()
     sh = layout.state_shardings
     cd = layout.placement.copy_dtype
     # (Taken before the update, which donates it: a step that fails leaves
     # no deleted buffer behind for the next.)
-    into, self._spare[0] = self._spare[0], None
+    into, carry.spare = carry.spare, None
     if into is not None and not self.host.fits(into, cd):
       into = None
     # (The fused host optimizer runs in the background with delay_update:
     # its kernels overlap the device's next step. Without it each leaf's
     # compute copy goes up as soon as its kernel has written it.)
     how = ({} if not self.fused else
-           {"background": True} if layout.config.delay_update else
+           {"background": True} if layout.decisions.delay_update else
            {"send": sh.compute_params})
     if self.fused:  # (what a tier on disk commits with the state)
       how["commit"] = lambda out: _kept(new.step, out[0])
@@ -257,7 +279,7 @@ class OnHost:
     to_device = lambda c: self.host.to_device(c, sh.compute_params)
     if "send" in how:
       compute, sent = copy, None  # (on the device already)
-    elif not layout.config.delay_update:
+    elif not layout.decisions.delay_update:
       compute, sent = to_device(copy), copy
     else:
       # The next step reads the copy this step's update started from (made
@@ -265,7 +287,7 @@ class OnHost:
       # the device need not wait for the host, whose update of this step
       # runs while the device computes the next. (Only for the state the
       # last step returned; after init or a restore the state's own copy.)
-      pending, carry = carry, (master, copy)
+      pending, carry.pending = carry.pending, (master, copy)
       sent = (pending[1] if pending and pending[0] is state.params
               else None)
       compute = (state.compute_params if sent is None
@@ -277,12 +299,12 @@ class OnHost:
         x.delete()
     if sent is not None and _copied(sent, compute):
       # Its transfer is under way: the donation waits for it to finish.
-      self._spare[0] = sent
+      carry.spare = sent
     return dataclasses.replace(
         new, params=master, opt_state=opt_state, loss_scale=loss_scale,
         compute_params=compute), metrics, at_min, carry
 
-  def _prepare(self, layout):
+  def _prepare(self, layout: StepPlan):
     if self._prepare_of[0] is not layout:
       self._prepare_of[:] = [layout, functools.partial(
           _host_scalars if self.fused else _host_prepare, layout)]
@@ -304,20 +326,20 @@ class OnHost:
   def live(self, x):
     return self.fused and self.host.live(x)
 
-  def initializer(self, layout, params):
+  def initializer(self, layout: StepPlan, params):
     raise ValueError(
         "with update_on='host' the first state is built by several "
         "programs on the host's CPU devices and one copy to the device: "
         "there is no one init program to lower")
 
-  def init(self, layout, params):
+  def init(self, layout: StepPlan, params):
     """Master and optimizer state built on the host (by the fused host
     optimizer in its buffers, else on the host's CPU devices), the compute
     copy sent to the device."""
     host = self.host
     rest = jax.jit(lambda: TrainState(
         step=jnp.zeros((), jnp.int32), params=None, opt_state=None,
-        rng=jax.random.PRNGKey(layout.config.seed),
+        rng=jax.random.PRNGKey(layout.decisions.seed),
         loss_scale=_init.first_loss_scale(layout)),
                    out_shardings=dataclasses.replace(
                        device_part(layout.state_shardings),
@@ -343,7 +365,7 @@ class OnHost:
                                compute_params=self.compute_copy(layout,
                                                                 master))
 
-  def compute_copy(self, layout, master):
+  def compute_copy(self, layout: StepPlan, master):
     """The compute copy, cast from the host's master, on the device."""
     if self.fused:
       return self.host.to_device(
@@ -357,15 +379,15 @@ class OnHost:
   def to_device(self, tree, shardings):
     return self.host.to_device(tree, shardings)
 
-  def host_bytes(self, layout) -> int:
+  def host_bytes(self, layout: StepPlan) -> int:
     """Host RAM the fused host optimizer holds (``FusedUpdate.host_bytes``);
     0 for the XLA:CPU program, whose state XLA allocates."""
     pl = layout.placement
     return self.host.host_bytes(
         pl.copy_dtype, pl.host_grad_dtype or np.float32,
-        layout.config.delay_update) if self.fused else 0
+        layout.decisions.delay_update) if self.fused else 0
 
-  def traffic(self, layout) -> tuple[int, int]:
+  def traffic(self, layout: StepPlan) -> tuple[int, int]:
     """PCIe bytes per step, all devices together, (to the devices, to the
     host): one copy of each gradient leaf in the dtype backward sends it in
     (``Placement.host_grad_dtype``, else float32), and each device's part
@@ -380,7 +402,7 @@ class OnHost:
                         layout.state_shardings.compute_params), shapes))
     return copy * to_device, grad * sum(math.prod(x) for x in shapes)
 
-  def describe(self, layout):
+  def describe(self, layout: StepPlan):
     down, up = self.traffic(layout)
     n = layout.mesh.size * sum(math.prod(lp.shape) for lp in flat(
         layout.param_plan.leaves))
@@ -418,13 +440,13 @@ def _copied(host: Any, device: Any) -> bool:
              for h, d in zip(jax.tree.leaves(host), jax.tree.leaves(device)))
 
 
-def _host_scalars(layout, sumsq: jax.Array, extra: dict[str, Any]):
+def _host_scalars(layout: StepPlan, sumsq: jax.Array, extra: dict[str, Any]):
   """``prepare`` for the fused host optimizer (``FusedUpdate.update``'s):
   from the gradients' sum of squares, ``((divisor, clip, norm, c), finite,
   (loss scale, metrics, overflow at min))``: each gradient is divided by
   ``divisor`` (the loss scale), then, where ``clip``, by ``norm`` and
   times ``c`` (optax.clip_by_global_norm's formula)."""
-  pl, c = layout.placement, layout.config.clip_grad_norm
+  pl, c = layout.placement, layout.decisions.clip_grad_norm
   stats = lambda grads, unscale: (unscale(jnp.sqrt(sumsq)),
                                   jnp.isfinite(sumsq))
   p = prepare(layout, None, extra["step"], extra["loss_scale"], stats)
@@ -436,7 +458,7 @@ def _host_scalars(layout, sumsq: jax.Array, extra: dict[str, Any]):
           p.finite, (p.loss_scale, p.metrics, p.overflow_at_min))
 
 
-def _host_prepare(layout, grads: Any, extra: dict[str, Any]):
+def _host_prepare(layout: StepPlan, grads: Any, extra: dict[str, Any]):
   """``prepare`` inside the host's update (``HostUpdate.update``'s
   ``prepare``): ``(grads, finite, (loss scale, metrics, overflow at
   min))``."""

@@ -7,15 +7,18 @@ what a step that fails at run time leaves behind.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
-from zero_jax import _heartbeat, _last_checkpoint
 from zero_jax.config import RematPolicy
-from zero_jax.train import _accumulate, _checks, _global, _watch
+from zero_jax.layout import Decisions
+from zero_jax.train import (_accumulate, _auto_remat, _checks, _global,
+                            _hooks, _watch)
+from zero_jax.train._grads import Loss
 from zero_jax.train._state import TrainState
 from zero_jax.train._train_step import jit_step
+from zero_jax.train._step_plan import StepPlan
 
 
 class StepFailedError(jax.errors.JaxRuntimeError):
@@ -111,12 +114,12 @@ def _fix(error: BaseException, remat: RematPolicy) -> str:
 
 def _recovery() -> str:
   """How to get a state again: the last checkpoint, or a fresh init."""
-  record = _last_checkpoint.last()
-  if record is None:
+  hint = _hooks.last_checkpoint()
+  if hint is None:
     return ("No checkpoint was saved or restored in this process: start "
             "again with state = engine.init(params), or restore one with "
             "zero_jax.Checkpointer(directory).restore(engine, params).")
-  return (f"Get a state again: {record.restore_hint()}; or start afresh "
+  return (f"Get a state again: {hint}; or start afresh "
           "with state = engine.init(params).")
 
 
@@ -169,10 +172,31 @@ class StepFunction:
   program: it takes the state without ``params`` and ``opt_state``, and
   returns the gradients for the host's update beside the state and
   metrics.)
+
+  The engine builds it with what the step reads of it, each at its call:
+
+  Args:
+    layout: ``layout()`` is the engine's current ``StepPlan`` (None before
+      ``init``).
+    loss: the engine's ``Loss``.
+    decisions: the engine's ``Decisions``.
+    units_seen: the engine's count of the blocks run one at a time, filled
+      when the step is traced.
+    shard_batch: ``Engine.shard_batch``: places a batch on the mesh.
+    on_remat: ``on_remat(layout, reason)`` keeps the layout with the remat
+      policy that ``remat="auto"`` chose, and why.
   """
 
-  def __init__(self, engine):
-    self._engine = engine
+  def __init__(self, layout: Callable[[], Any], loss: Loss,
+               decisions: Decisions, *, units_seen: dict[str, int],
+               shard_batch: Callable[[Any], Any],
+               on_remat: Callable[[Any, str], None]):
+    self._current = layout
+    self._loss = loss
+    self._decisions = decisions
+    self._units_seen = units_seen
+    self._shard_batch = shard_batch
+    self._on_remat = on_remat
     self._jit: tuple[Any, Any] = (None, None)  # (layout, its jax.jit)
     self._pending: list[_Dispatched] = []  # steps whose outputs are unread
     self._skips = 0  # skipped steps in a row, up to the last one read
@@ -194,11 +218,10 @@ class StepFunction:
     self._pending.clear()
     self._skips = 0
 
-  def jit_for(self, layout) -> Any:
+  def jit_for(self, layout: StepPlan) -> Any:
     """The ``jax.jit`` of the step for ``layout`` (the last one is kept)."""
     if self._jit[0] is not layout:
-      self._jit = (layout, jit_step(layout, self._engine.loss,
-                                    self._engine.units_seen))
+      self._jit = (layout, jit_step(layout, self._loss, self._units_seen))
     return self._jit[1]
 
   @property
@@ -208,7 +231,7 @@ class StepFunction:
     return self.jit_for(self._layout())
 
   def _layout(self):
-    layout = self._engine.layout
+    layout = self._current()
     if layout is None:
       raise RuntimeError("call engine.init(params) before engine.step: the "
                          "step is built for the layout of those params")
@@ -222,7 +245,6 @@ class StepFunction:
                getattr(state, "step", None) is self._returned.step)
     if goes_on:
       self.check()
-    engine = self._engine
     layout = self._chosen(state, batch)
     jitted = self.jit_for(layout)
     if state is not self._returned:
@@ -239,7 +261,7 @@ class StepFunction:
       # (Placing the batch can run out of memory too: the state is intact
       # then, and the error says so. The host's update can run out of
       # host memory with numpy's MemoryError.)
-      batch = engine.shard_batch(batch)
+      batch = self._shard_batch(batch)
       self._check_split(layout, state, batch)
       outputs = jitted(layout.update.device_input(state), batch)
       new, metrics, at_min, self._carry = layout.update.after(
@@ -247,7 +269,7 @@ class StepFunction:
     except (jax.errors.JaxRuntimeError, MemoryError) as e:
       raise self._failed_now(state, number, e) from e
     skipped = None
-    if not layout.placement.loss_scaling and layout.config.skip_nonfinite:
+    if not layout.placement.loss_scaling and layout.decisions.skip_nonfinite:
       skipped = metrics["skipped"]
     d = _Dispatched(
         number=number, given=state.step, given_lost=_lost(state),
@@ -259,15 +281,16 @@ class StepFunction:
     self._returned, self._number = new, number
     # The launcher's watchdog (--watchdog) sees progress. (The flags read
     # at the next call wait for this step, so a hung step stops it.)
-    _heartbeat.step_done()
+    _hooks.step_done()
     return new, metrics
 
-  def _check_split(self, layout, state: TrainState, batch: Any) -> None:
+  def _check_split(self, layout: StepPlan, state: TrainState,
+                   batch: Any) -> None:
     """At the first step of a global loss over micro-batches: raises
     unless the micro-batches' weighed loss is the whole batch's."""
-    loss = self._engine.loss
+    loss = self._loss
     if (self._split_checked is layout or not _accumulate.needs_check(
-        layout.config, loss, layout.batch.grad_accum_steps)):
+        layout.decisions, loss, layout.batch.grad_accum_steps)):
       return
     call = _global.global_loss(layout, loss)
     params = (state.compute_params if layout.placement.compute_copy else
@@ -280,9 +303,19 @@ class StepFunction:
     """The layout to run, with the remat policy chosen if it was "auto"."""
     layout = self._layout()
     if layout.remat is RematPolicy.AUTO:
-      self._engine.choose_remat(state, batch)
+      self.choose_remat(layout, state, batch)
       layout = self._layout()
     return layout
+
+  def choose_remat(self, layout: StepPlan, state: TrainState,
+                   batch: Any) -> None:
+    """With ``remat="auto"`` in ``layout``: compiles the step with each
+    candidate policy and hands the fastest that fits, and why, to
+    ``on_remat``."""
+    if layout.remat is not RematPolicy.AUTO:
+      return
+    self._on_remat(*_auto_remat.choose(
+        layout, lambda candidate: self.lower_with(candidate, state, batch)))
 
   # ------------------------------------------------ steps that failed
 
@@ -380,7 +413,9 @@ class StepFunction:
         "engine.step again. " + _recovery())
 
   def _remat(self) -> RematPolicy:
-    return self._engine.remat
+    """The remat policy the step is traced with (``AUTO`` until chosen)."""
+    layout = self._current()
+    return self._decisions.remat if layout is None else layout.remat
 
   def _read(self, flag: Any) -> bool:
     """A flag's value; a step that failed shows here, as its error."""
@@ -396,20 +431,20 @@ class StepFunction:
     ended ``max_consecutive_skips`` non-finite steps in a row, or if a
     step failed at run time (``StepFailedError``). (Read one step late, so
     the host never waits for the step it has just dispatched.)"""
-    cfg = self._engine.config
+    decided = self._decisions
     last = self._pending[-1] if self._pending else None
     if last is not None and last.at_min is not None:
       flag, last.at_min = last.at_min, None
       if self._read(flag):
         raise FloatingPointError(
             f"float16 gradients overflowed at the minimum loss scale "
-            f"{cfg.min_loss_scale} (ZeroConfig.min_loss_scale): training "
-            "has diverged. Lower the learning rate, clip gradients "
+            f"{decided.loss_scaling.min_scale} (ZeroConfig.min_loss_scale): "
+            "training has diverged. Lower the learning rate, clip gradients "
             "(clip_grad_norm), lower min_loss_scale, or train in "
             "bfloat16.")
     # (Two steps late with delay_update, whose host update of the last
     # step runs while the device computes this one.)
-    lag = 2 if cfg.delay_update else 1
+    lag = 2 if decided.delay_update else 1
     while len(self._pending) >= lag:
       d = self._pending[0]
       if d.skipped is None:
@@ -420,11 +455,11 @@ class StepFunction:
       skipped = self._read(d.skipped)
       self._pending.pop(0)
       self._skips = self._skips + 1 if skipped else 0
-      if self._skips >= cfg.max_consecutive_skips:
+      if self._skips >= decided.max_consecutive_skips:
         raise FloatingPointError(
             f"the last {self._skips} steps had a non-finite gradient norm "
             "(NaN or inf) and were skipped (ZeroConfig.skip_nonfinite; "
-            f"max_consecutive_skips={cfg.max_consecutive_skips}): training "
+            f"max_consecutive_skips={decided.max_consecutive_skips}): training "
             "has diverged or the data holds NaN/inf. Check the batches, "
             "lower the learning rate or clip gradients (clip_grad_norm), "
             "then resume from the last checkpoint.")
@@ -434,7 +469,7 @@ class StepFunction:
     ``jax.ShapeDtypeStruct``)."""
     return self.lower_with(self._chosen(state, batch), state, batch)
 
-  def lower_with(self, layout, state: TrainState, batch: Any):
+  def lower_with(self, layout: StepPlan, state: TrainState, batch: Any):
     """The ``Lowered`` of the step for ``layout`` (e.g. a remat candidate)."""
     return self.jit_for(layout).lower(layout.update.device_input(state),
-                                      self._engine.shard_batch(batch))
+                                      self._shard_batch(batch))

@@ -15,19 +15,23 @@ import jax
 
 from zero_jax.train import _global, _grads
 from zero_jax.train._state import TrainState
+from zero_jax.train._step_plan import StepPlan
+from zero_jax.train._update import StepOutputs
 
 
-def train_step(layout, loss: _grads.Loss, state: TrainState, batch: Any, *,
-               seen: dict[str, int] | None = None) -> tuple[Any, Any, Any]:
-  """One step: ``(state, metrics, overflow_at_min)``.
+def train_step(layout: StepPlan, loss: _grads.Loss, state: TrainState,
+               batch: Any, *, seen: dict[str, int] | None = None
+               ) -> StepOutputs:
+  """One step's ``StepOutputs`` (the new state, the metrics, and what the
+  update strategy reads after it).
 
   ``overflow_at_min`` is the flag ``Engine.step`` raises on (None without
   float16 loss scaling). With update_on="host" this is the device's part:
-  ``(state, metrics, grads)``, the state without master and optimizer
-  state, the gradients for the host's update.
+  the state without master and optimizer state, and ``grads`` for the
+  host's update.
 
   Args:
-    layout: the ``Layout``.
+    layout: the ``StepPlan``.
     loss: what is trained.
     state: the state (as ``layout.update.device_input`` gives it).
     batch: the global batch, laid out as ``layout.batch.sharding``.
@@ -38,8 +42,8 @@ def train_step(layout, loss: _grads.Loss, state: TrainState, batch: Any, *,
   rng = jax.random.fold_in(state.rng, state.step)
   scale = (state.loss_scale.scale if layout.placement.loss_scaling
            else None)
-  grads_of = (_global.loss_and_grads if layout.config.loss_scope ==
-              "global" else _grads.loss_and_grads)
+  grads_of = (_global.loss_and_grads if layout.decisions.global_loss else
+              _grads.loss_and_grads)
   grads, value, aux = grads_of(layout, loss, state.params,
                                state.compute_params, batch, rng, scale, seen)
   metrics = {"loss": value}
@@ -48,7 +52,7 @@ def train_step(layout, loss: _grads.Loss, state: TrainState, batch: Any, *,
   return layout.update.finish(layout, state, grads, metrics)
 
 
-def jit_step(layout, loss: _grads.Loss,
+def jit_step(layout: StepPlan, loss: _grads.Loss,
              seen: dict[str, int] | None = None) -> Any:
   """The ``jax.jit`` of ``train_step`` for ``layout`` (traced anew: the
   layout's remat policy is read when it is traced)."""

@@ -18,7 +18,7 @@ any optax transformation are exact.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ from zero_jax.layout import (DATA, MODEL, ComputeCopy, Prefetch, UpdateKind,
                              flat, plan_leaf)
 from zero_jax.train import _global, _init, _loss_scale
 from zero_jax.train._state import TrainState, compute_copy, on_device
+
+if TYPE_CHECKING:  # (the plan's module imports this one)
+  from zero_jax.train._step_plan import StepPlan
 
 
 class Prepared(NamedTuple):
@@ -57,7 +60,7 @@ class Prepared(NamedTuple):
   overflow_at_min: jax.Array | None
 
 
-def prepare(layout, grads: Any, step: jax.Array, loss_scale: Any,
+def prepare(layout: StepPlan, grads: Any, step: jax.Array, loss_scale: Any,
             stats: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
             slices: list[P | None] | None = None) -> Prepared:
   """From summed gradients to the ones to apply: unscaled (float16),
@@ -74,7 +77,7 @@ def prepare(layout, grads: Any, step: jax.Array, loss_scale: Any,
   every device.
   """
   pl = layout.placement
-  cfg = layout.config
+  decided = layout.decisions
   scale = loss_scale.scale if pl.loss_scaling else None
   unscale = (lambda g: g) if scale is None else (lambda g: g / scale)
   all_finite = None
@@ -92,8 +95,8 @@ def prepare(layout, grads: Any, step: jax.Array, loss_scale: Any,
       all_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
                                       for g in jax.tree.leaves(grads)]))
   clip = lambda g: g
-  if cfg.clip_grad_norm is not None:
-    c = cfg.clip_grad_norm
+  if decided.clip_grad_norm is not None:
+    c = decided.clip_grad_norm
     # optax.clip_by_global_norm's formula, on the norm already computed.
     clip = lambda g: jnp.where(norm < c, g, g / norm.astype(g.dtype) * c)
   grad_fn = None
@@ -103,7 +106,7 @@ def prepare(layout, grads: Any, step: jax.Array, loss_scale: Any,
     grads = jax.tree.map(clip, grads)
   metrics = {"grad_norm": norm}
   finite = at_min = None
-  if not pl.loss_scaling and cfg.skip_nonfinite:
+  if not pl.loss_scaling and decided.skip_nonfinite:
     # A NaN or inf anywhere makes the global norm non-finite: one scalar
     # check skips the update on every device.
     finite = jnp.isfinite(norm)
@@ -113,13 +116,14 @@ def prepare(layout, grads: Any, step: jax.Array, loss_scale: Any,
     metrics.update(skipped=skipped, skipped_steps=loss_scale.skipped)
   if pl.loss_scaling:
     finite = all_finite
-    loss_scale, at_min = _loss_scale.update(loss_scale, finite, cfg)
+    loss_scale, at_min = _loss_scale.update(loss_scale, finite,
+                                           decided.loss_scaling)
     metrics.update(loss_scale=scale, skipped=jnp.logical_not(finite),
                    skipped_steps=loss_scale.skipped)
   return Prepared(grads, finite, grad_fn, loss_scale, metrics, at_min)
 
 
-def norm_slices(layout) -> list[P | None]:
+def norm_slices(layout: StepPlan) -> list[P | None]:
   """Per gradient leaf, the slice ``prepare`` reads of it on each device
   for the global norm: the leaf split over ``data`` as stage 3 splits it
   (a spec over the batch axes), where the gradient reaches the update
@@ -135,16 +139,16 @@ def norm_slices(layout) -> list[P | None]:
   mesh = layout.mesh
   n = mesh.shape[DATA]
   m = dict(mesh.shape).get(MODEL, 1)
-  cfg = layout.config
+  decided = layout.decisions
   out = []
   for lp in flat(layout.param_plan.leaves):
     sl = None if lp.sharded else plan_leaf(
-        lp.shape, n, 3, cfg.min_shard_elements, lp.model, m)
+        lp.shape, n, 3, decided.min_shard_elements, lp.model, m)
     out.append(sl.spec if sl is not None and sl.sharded else None)
   return out
 
 
-def _squared_norm(layout, grads: Any, slices: list[P | None] | None
+def _squared_norm(layout: StepPlan, grads: Any, slices: list[P | None] | None
                   ) -> jax.Array:
   """The squared global norm of ``grads``, the leaves with a slice in
   ``slices`` summed a slice per device (``norm_slices``)."""
@@ -179,16 +183,36 @@ def injected_learning_rate(opt_state: Any) -> jax.Array | None:
   return found[0] if len(found) == 1 else None
 
 
-def grad_shardings(layout) -> Any:
+def grad_shardings(layout: StepPlan) -> Any:
   """Where the gradients reach the update: sharded like the master's plan
   (stages 1-3), or replicated like the master at stage 0."""
   return (layout.param_plan.shardings if layout.placement.grads_sharded else
           layout.device_params)
 
 
-def new_state(layout, state: TrainState, master: Any, opt_state: Any,
+class StepOutputs(NamedTuple):
+  """What the jitted step returns (``UpdateStrategy.finish``), read on the
+  host by the strategy's ``after``.
+
+  Attributes:
+    state: the new state (the device's part of it, with the update on the
+      host).
+    metrics: the step's metrics.
+    overflow_at_min: float16 only: the step overflowed at the minimum loss
+      scale (``engine.step`` raises); None otherwise.
+    grads: with the update on the host: the reduced gradients it takes;
+      None otherwise.
+  """
+
+  state: TrainState
+  metrics: dict[str, Any]
+  overflow_at_min: jax.Array | None = None
+  grads: Any = None
+
+
+def new_state(layout: StepPlan, state: TrainState, master: Any, opt_state: Any,
               device_master: Any, prepared: Prepared,
-              metrics: dict[str, Any]):
+              metrics: dict[str, Any]) -> StepOutputs:
   """The jitted step's outputs from the updated master and optimizer
   state: the compute copy refreshed from the new master (on the device),
   the learning rate where ``tx`` reports one."""
@@ -206,10 +230,11 @@ def new_state(layout, state: TrainState, master: Any, opt_state: Any,
     # (Offloaded: the scalar comes up from host memory with the metrics.)
     metrics["learning_rate"] = jax.device_put(
         lr, on_device(layout.state_shardings.step))
-  return TrainState(step=state.step + 1, params=master, opt_state=opt_state,
-                    rng=state.rng, compute_params=compute_params,
-                    loss_scale=prepared.loss_scale), metrics, \
-      prepared.overflow_at_min
+  return StepOutputs(
+      TrainState(step=state.step + 1, params=master, opt_state=opt_state,
+                 rng=state.rng, compute_params=compute_params,
+                 loss_scale=prepared.loss_scale), metrics,
+      overflow_at_min=prepared.overflow_at_min)
 
 
 class UpdateStrategy(Protocol):
@@ -219,31 +244,32 @@ class UpdateStrategy(Protocol):
 
   kind: UpdateKind
 
-  def jit(self, layout, fn: Callable[..., Any]) -> Any:
+  def jit(self, layout: StepPlan, fn: Callable[..., Any]) -> Any:
     """The ``jax.jit`` of the device's step ``fn(state, batch)``."""
 
-  def finish(self, layout, state: TrainState, grads: Any,
-             metrics: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """Inside the jitted step, after the gradients: its three outputs."""
+  def finish(self, layout: StepPlan, state: TrainState, grads: Any,
+             metrics: dict[str, Any]) -> StepOutputs:
+    """Inside the jitted step, after the gradients: its outputs."""
 
   def device_input(self, state: TrainState) -> TrainState:
     """What of the state the device's step takes."""
 
-  def after(self, layout, state: TrainState, outputs: tuple, carry: Any
-            ) -> tuple[TrainState, dict[str, Any], Any, Any]:
+  def after(self, layout: StepPlan, state: TrainState, outputs: StepOutputs,
+            carry: Any) -> tuple[TrainState, dict[str, Any], Any, Any]:
     """On the host, after the jitted call: ``(state, metrics,
-    overflow_at_min, carry)``; ``carry`` is what the strategy keeps from
-    one step to the next (None: nothing)."""
+    overflow_at_min, carry)``. ``carry`` is all the strategy keeps from
+    one step to the next (None at first and after ``reset``; the
+    ``StepFunction`` holds it): ``OnHost``'s ``HostCarry``, else None."""
 
-  def initializer(self, layout, params: Any
+  def initializer(self, layout: StepPlan, params: Any
                   ) -> tuple[Callable[..., TrainState], tuple]:
     """The jitted function that builds the first state, and its arguments
     as ``jax.ShapeDtypeStruct`` trees with shardings."""
 
-  def init(self, layout, params: Any) -> TrainState:
+  def init(self, layout: StepPlan, params: Any) -> TrainState:
     """The first state, from the caller's parameters (copied)."""
 
-  def compute_copy(self, layout, master: Any) -> Any:
+  def compute_copy(self, layout: StepPlan, master: Any) -> Any:
     """The compute copy cast from a restored master."""
 
   def adopt(self, state: TrainState) -> TrainState:
@@ -258,15 +284,15 @@ class UpdateStrategy(Protocol):
     """State leaves (``params`` or ``opt_state``) moved to ``shardings``
     on the mesh."""
 
-  def describe(self, layout) -> list[str]:
+  def describe(self, layout: StepPlan) -> list[str]:
     """``Engine.describe()``'s lines on the update."""
 
 
-def compiler_options(layout) -> dict[str, Any] | None:
+def compiler_options(layout: StepPlan) -> dict[str, Any] | None:
   """The XLA options the step is compiled with: prefetch's (with a loss
   of global meaning, ``layers.GLOBAL_PREFETCH_COMPILER_OPTIONS``), the
   global loss's (``_global.GLOBAL_LOSS_COMPILER_OPTIONS``), or none."""
-  glob = layout.config.loss_scope == "global"
+  glob = layout.decisions.global_loss
   if layout.prefetch is not Prefetch.OFF:
     return (layers.GLOBAL_PREFETCH_COMPILER_OPTIONS if glob else
             layers.PREFETCH_COMPILER_OPTIONS)
@@ -281,15 +307,15 @@ class OnDevice:
 
   kind = UpdateKind.DEVICE
 
-  def jit(self, layout, fn):
+  def jit(self, layout: StepPlan, fn):
     # (The third output: the overflow-at-minimum-scale flag engine.step
     # reads, not a metric.)
     r = layout.replicated
     return jax.jit(fn, donate_argnums=0,
-                   out_shardings=(layout.state_shardings, r, r),
+                   out_shardings=StepOutputs(layout.state_shardings, r, r),
                    compiler_options=compiler_options(layout))
 
-  def finish(self, layout, state, grads, metrics):
+  def finish(self, layout: StepPlan, state, grads, metrics):
     prepared = prepare(layout, grads, state.step, state.loss_scale,
                        slices=norm_slices(layout))
     metrics.update(prepared.metrics)
@@ -302,17 +328,17 @@ class OnDevice:
   def device_input(self, state):
     return state
 
-  def after(self, layout, state, outputs, carry):
+  def after(self, layout: StepPlan, state, outputs, carry):
     del layout, state
-    return (*outputs, carry)
+    return outputs.state, outputs.metrics, outputs.overflow_at_min, carry
 
-  def initializer(self, layout, params):
+  def initializer(self, layout: StepPlan, params):
     return _init.whole_initializer(layout, params)
 
-  def init(self, layout, params):
+  def init(self, layout: StepPlan, params):
     return _init.placed(layout, params, *self.initializer(layout, params))
 
-  def compute_copy(self, layout, master):
+  def compute_copy(self, layout: StepPlan, master):
     return _init.cast_copy(layout, master)
 
   def to_device(self, tree, shardings):
@@ -325,7 +351,7 @@ class OnDevice:
     del x
     return False
 
-  def describe(self, layout):
+  def describe(self, layout: StepPlan):
     del layout
     return []
 

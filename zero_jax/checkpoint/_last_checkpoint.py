@@ -1,15 +1,17 @@
 """The newest checkpoint this process saved or restored.
 
-``zero_jax.checkpoint`` records it; an error raised elsewhere (a step that
-failed at run time and took its donated state with it) names it as the
-place to resume from. It lives here, at the top, because ``train`` comes
-before ``checkpoint`` in the package's order and must not import it.
+``Checkpointer`` records it; a step that failed at run time (and took its
+donated state with it) names it as the place to resume from. ``train``
+comes before ``checkpoint`` and cannot ask for it: the first record hands
+``zero_jax.train``'s hooks the hint to name (``set_last_checkpoint``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+
+from zero_jax.train import set_last_checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ def record(directory: str, step: int) -> None:
   global _last
   with _lock:
     _last = CheckpointRecord(directory, int(step))
+  set_last_checkpoint(restore_hint)
 
 
 def forget(directory: str) -> None:
@@ -51,3 +54,9 @@ def last() -> CheckpointRecord | None:
   """The newest checkpoint recorded in this process, or None."""
   with _lock:
     return _last
+
+
+def restore_hint() -> str | None:
+  """How to resume from the newest checkpoint recorded, or None."""
+  newest = last()
+  return None if newest is None else newest.restore_hint()

@@ -1,7 +1,8 @@
 """The train step's layout: everything the step needs, decided once.
 
-``Layout.build(config, mesh, params, tx)`` turns the config's decisions
-(``Placement``), the mesh and the parameters' shapes into the plan of every
+``StepPlan.build(decisions, mesh, params, tx)`` turns the decisions of the
+config on the mesh (``zero_jax.layout.decide``: the placement among them)
+and the parameters' shapes into the plan of every
 leaf, the shardings of the whole ``TrainState``, the repeated blocks of the
 parameter tree, and the two strategies the step runs: how gradients are
 made and reduced (``grads``) and where the optimizer update runs
@@ -26,10 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import layers, offload
 from zero_jax._paths import path_keys, path_str
-from zero_jax.config import RematPolicy, ZeroConfig
-from zero_jax.layout import (DATA, MODEL, REPLICA, ComputeCopy, Materialize,
-                             Placement, Plan, Prefetch, UpdateKind,
-                             batch_axes, flat, layout_mesh)
+from zero_jax.config import RematPolicy
+from zero_jax.layout import (DATA, MODEL, ComputeCopy, Decisions, Placement,
+                             Plan, Prefetch, UpdateKind, flat, layout_mesh)
 from zero_jax.train import _grads, _init, _loss_scale, _offloaded, _update
 from zero_jax.train._state import TrainState, on_host
 
@@ -55,19 +55,13 @@ class BatchLayout:
   grad_accum_steps: int
 
   @classmethod
-  def of(cls, config: ZeroConfig, mesh: Mesh) -> "BatchLayout":
-    """The batch layout of ``config`` on ``mesh``.
-
-    Raises:
-      ValueError: the config's batch sizes contradict each other on this
-        mesh (see ``ZeroConfig.batch_sizes``).
-    """
-    axes = batch_axes(mesh)
-    num_devices = int(np.prod([mesh.shape[a] for a in axes]))
-    train, micro, accum = config.batch_sizes(num_devices)
-    spec = P(axes if len(axes) > 1 else DATA)
-    return cls(num_devices, axes, NamedSharding(layout_mesh(mesh), spec),
-               train, micro, accum)
+  def of(cls, decisions: Decisions, mesh: Mesh) -> "BatchLayout":
+    """The batch layout of ``decisions`` (their batch sizes) on
+    ``mesh``."""
+    b = decisions.batch
+    spec = P(b.axes if len(b.axes) > 1 else DATA)
+    return cls(b.num_devices, b.axes, NamedSharding(layout_mesh(mesh), spec),
+               b.train, b.micro, b.accum_steps)
 
   def check(self, shape: tuple, global_size: int | None) -> None:
     """Raises unless a global batch of ``global_size`` examples suits the
@@ -134,80 +128,17 @@ class BatchLayout:
         f"({self.sharding.spec}).")
 
 
-def check_mesh(mesh: Mesh) -> None:
-  """Raises unless ``mesh`` has a ``data`` axis and no axis the engine does
-  not use (its devices would silently repeat the same work)."""
-  if DATA not in mesh.axis_names:
-    raise ValueError(f"mesh must have a {DATA!r} axis (use "
-                     f"zero_jax.make_mesh()); got axes {mesh.axis_names}")
-  unused = [a for a in mesh.axis_names if a not in (DATA, REPLICA, MODEL)
-            and mesh.shape[a] > 1]
-  if unused:
-    raise ValueError(
-        f"mesh axis {unused[0]!r} (size {mesh.shape[unused[0]]}) is not one "
-        f"the engine uses ({DATA!r}, {REPLICA!r}, {MODEL!r}): its devices "
-        "would repeat the same work. Build the mesh with "
-        "zero_jax.make_mesh(replica=..., model=...), or rename a "
-        f"tensor-parallel axis to {MODEL!r}.")
-
-
-def check_hpz(config: ZeroConfig, mesh: Mesh) -> bool:
-  """Whether the config asks for hpZ; raises unless the mesh has its
-  groups: a ``replica`` axis, each group the config's partition size on
-  ``data``, and no ``model`` axis."""
-  k = config.hpz_partition_size
-  if k == 1:
-    return False
-  shape = dict(mesh.shape)
-  total = int(np.prod(list(shape.values())))
-  if shape.get(REPLICA, 1) == 1 or shape[DATA] != k or shape.get(MODEL, 1) > 1:
-    fix = (f"zero_jax.make_mesh(replica={total // k})" if total % k == 0
-           else f"a partition size that divides the {total} devices")
-    raise ValueError(
-        f"ZeroConfig.hpz_partition_size={k} (hpZ) needs a mesh of groups of"
-        f" {k} devices: a {REPLICA!r} axis of groups, {DATA!r} of {k}, and "
-        f"no {MODEL!r} axis (got {shape}). Use {fix}, or "
-        "hpz_partition_size=1.")
-  return True
-
-
-def decide_prefetch(config: ZeroConfig, placement: Placement, mesh: Mesh,
-                    remat: RematPolicy) -> Prefetch:
-  """``ZeroConfig.prefetch`` for this layout: asked for (the config has
-  refused what it cannot honour), off, or, for ``"auto"``, on where it is
-  built and measured: stage 3 gathering from the float32 master, or stage
-  2 gathering it and keeping it (``Placement.keeps_gathered``, with a loss
-  of per-device meaning only), remat ``full``, no Pa, hpZ or ``model``
-  axis, over more than one device."""
-  if config.prefetch is True:
-    return Prefetch.ON
-  shape = dict(mesh.shape)
-  if (config.prefetch == "auto"
-      and placement.materialize is Materialize.GATHER
-      and not (config.loss_scope == "global" and placement.keeps_gathered)
-      and remat is RematPolicy.FULL and not config.partition_activations
-      and config.hpz_partition_size == 1 and shape.get(MODEL, 1) == 1
-      and shape[DATA] * shape.get(REPLICA, 1) > 1):
-    return Prefetch.AUTO
-  return Prefetch.OFF
-
-
-def describe_prefetch(config: ZeroConfig, placement: Placement,
-                      prefetch: Prefetch) -> str | None:
-  """``Engine.describe``'s line on ``decide_prefetch``'s choice (None
-  where prefetch was turned off)."""
-  if prefetch is not Prefetch.OFF and placement.keeps_gathered:
-    return (f"prefetch ({config.prefetch}): each scanned layer is gathered "
-            "while the one before it runs, and kept for backward")
-  if prefetch is not Prefetch.OFF:
-    return (f"prefetch ({config.prefetch}): each scanned layer is gathered "
-            "while the one before it runs, forward and backward")
-  if config.prefetch == "auto":
-    return ("prefetch (auto): off; it needs stage 3 gathering from the "
-            "float32 master, or stage 2 with a compute_dtype, no offload, "
-            "one micro-batch a step and loss_scope='per_device'; remat "
-            "'full', no Pa, hpZ or 'model' axis, and more than one device")
-  return None
+def describe_prefetch(decisions: Decisions,
+                      units: tuple[layers.Unit, ...] = ()) -> str:
+  """``Engine.describe``'s line on the prefetch decision. Prefetch acts on
+  ``scan_layers`` only: where the model has repeated blocks
+  (``layers.find_units``: called in a loop), the line says that they are
+  gathered at their call instead."""
+  line = dict(decisions.reasons)["prefetch"]
+  if decisions.prefetch is not Prefetch.OFF and units:
+    line += (f"; the {len(units)} repeated blocks ({units[0].path} ...), "
+             "called one by one, are gathered at their call")
+  return line
 
 
 def check_model_split(mesh: Mesh, plan: Plan) -> None:
@@ -247,18 +178,18 @@ def mirrored_specs(params: Any, specs: list, tree: Any) -> list:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Layout:
+class StepPlan:
   """Everything the train step needs, decided once from config, mesh,
   parameter shapes and ``tx``.
 
   Attributes:
-    config: the ZeRO config.
+    decisions: the decisions of the ZeRO config on this mesh
+      (``zero_jax.layout.decide``), at the remat policy the step is traced
+      with (``AUTO`` until ``Engine`` has chosen one).
     mesh: the mesh (``data``, optionally inside ``replica``).
     tx: the optax transformation.
     placement: where each part of the state lives.
     batch: how a global batch is split.
-    remat: the remat policy the step is traced with (``AUTO`` until
-      ``Engine`` has chosen one).
     param_plan: the ``Plan`` of the fp32 master parameters.
     opt_plan: the ``Plan`` of the optimizer state.
     treedef: the tree of the parameters given to ``Engine.init``.
@@ -275,12 +206,10 @@ class Layout:
       (``zero_jax.train._update``).
   """
 
-  config: ZeroConfig
+  decisions: Decisions
   mesh: Mesh
   tx: optax.GradientTransformation
-  placement: Placement
   batch: BatchLayout
-  remat: RematPolicy
   param_plan: Plan
   opt_plan: Plan
   treedef: Any
@@ -290,8 +219,8 @@ class Layout:
   state_shapes: TrainState | None
   device_params: Any
   device_opt: Any
-  grads: Any
-  update: Any
+  grads: _grads.GradsStrategy
+  update: _update.UpdateStrategy
 
   @property
   def n(self) -> int:
@@ -308,11 +237,27 @@ class Layout:
             self.param_dtypes)
 
   @property
+  def placement(self) -> Placement:
+    """Where each part of the state lives (``Decisions.placement``)."""
+    return self.decisions.placement
+
+  @property
+  def remat(self) -> RematPolicy:
+    """The remat policy the step is traced with (``AUTO`` until
+    ``Engine`` has chosen one)."""
+    return self.decisions.remat
+
+  @property
   def prefetch(self) -> Prefetch:
     """Whether scanned layers are gathered one layer ahead (at this
     layout's remat policy)."""
-    return decide_prefetch(self.config, self.placement, self.mesh,
-                           self.remat)
+    return self.decisions.prefetch
+
+  def with_remat(self, remat: RematPolicy) -> "StepPlan":
+    """This layout traced with another remat policy (prefetch decided
+    again for it)."""
+    return dataclasses.replace(self, decisions=self.decisions.with_remat(
+        remat))
 
   @property
   def replicated(self) -> NamedSharding:
@@ -325,11 +270,10 @@ class Layout:
     return NamedSharding(layout_mesh(self.mesh), spec)
 
   @classmethod
-  def build(cls, config: ZeroConfig, mesh: Mesh, params: Any,
+  def build(cls, decisions: Decisions, mesh: Mesh, params: Any,
             tx: optax.GradientTransformation, *,
-            placement: Placement | None = None,
             batch: BatchLayout | None = None,
-            model_specs: list | None = None) -> "Layout":
+            model_specs: list | None = None) -> "StepPlan":
     """The layout for ``params`` (arrays or shapes; floating leaves only).
 
     ``model_specs``: per parameter leaf, the mesh axes of each dimension
@@ -337,14 +281,13 @@ class Layout:
 
     Raises:
       TypeError: a parameter leaf is not floating point.
-      ValueError: the mesh or the batch sizes do not suit the config, or
-        the streamed offload update cannot split ``tx`` (see
+      ValueError: the model's split does not suit the mesh, or the
+        streamed offload update cannot split ``tx`` (see
         ``zero_jax.offload.Streamer``).
     """
-    check_mesh(mesh)
-    hierarchical = check_hpz(config, mesh)
-    batch = batch or BatchLayout.of(config, mesh)
-    pl = placement or Placement.of(config, batch.grad_accum_steps)
+    hierarchical = decisions.hierarchical
+    batch = batch or BatchLayout.of(decisions, mesh)
+    pl = decisions.placement
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
       if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
@@ -356,9 +299,9 @@ class Layout:
     opt_shapes = jax.eval_shape(tx.init, master)
 
     def plans(stage: int) -> tuple[Plan, Plan]:
-      return (Plan(master, mesh, stage, config.min_shard_elements,
+      return (Plan(master, mesh, stage, decisions.min_shard_elements,
                    model_specs, hierarchical),
-              Plan(opt_shapes, mesh, stage, config.min_shard_elements,
+              Plan(opt_shapes, mesh, stage, decisions.min_shard_elements,
                    None if model_specs is None else
                    mirrored_specs(master, model_specs, opt_shapes),
                    hierarchical))
@@ -383,7 +326,7 @@ class Layout:
         # Laid out as the devices' ZeRO shards: stage 1's at stage 0,
         # whose plan shards nothing.
         mirrored = (param_plan, opt_plan) if pl.stage else plans(1)
-      host = _host_update(tx, master, mesh, mirrored, config)
+      host = _host_update(tx, master, mesh, mirrored, decisions)
       params_sh, opt_sh = host.master_shardings, host.opt_shardings
       if pl.compute_memory.on_host:
         compute_sh = on_host(compute_sh)
@@ -396,12 +339,13 @@ class Layout:
     state_shardings = TrainState(
         step=replicated, params=params_sh, opt_state=opt_sh, rng=replicated,
         compute_params=compute_sh,
-        loss_scale=(jax.tree.map(lambda _: replicated,
-                                 jax.eval_shape(lambda: _loss_scale.init(config)))
+        loss_scale=(jax.tree.map(
+            lambda _: replicated,
+            jax.eval_shape(lambda: _loss_scale.init(decisions)))
                     if pl.counts_skips else None))
     layout = cls(
-        config=config, mesh=mesh, tx=tx, placement=pl, batch=batch,
-        remat=config.remat, param_plan=param_plan, opt_plan=opt_plan,
+        decisions=decisions, mesh=mesh, tx=tx, batch=batch,
+        param_plan=param_plan, opt_plan=opt_plan,
         treedef=jax.tree.structure(params),
         param_dtypes=tuple(jnp.dtype(x.dtype)
                            for x in jax.tree.leaves(params)),
@@ -436,7 +380,8 @@ def signature(params: Any) -> tuple:
 
 def _host_update(tx: optax.GradientTransformation, master: Any,
                  mesh: Mesh, mirrored: tuple[Plan, Plan] | None,
-                 config: Any) -> offload.HostUpdate | offload.FusedUpdate:
+                 decisions: Decisions
+                 ) -> offload.HostUpdate | offload.FusedUpdate:
   """ZeRO-Offload's split: master and optimizer state in host buffers (in
   files with ``offload_optimizer="nvme"``), updated by the fused host
   optimizer where ``tx`` is one it runs, else on the host's CPU devices by
@@ -444,7 +389,7 @@ def _host_update(tx: optax.GradientTransformation, master: Any,
   the master and the optimizer state, whose shards each process updates
   for its own devices."""
   rule = offload.rule_of(tx)
-  if config.offload_optimizer == "nvme":
+  if decisions.nvme:
     if rule is None:
       raise ValueError(
           "offload_optimizer='nvme' runs the fused host optimizer on each "
@@ -458,12 +403,13 @@ def _host_update(tx: optax.GradientTransformation, master: Any,
           "offload_optimizer='host' across processes")
     return offload.NvmeUpdate(tx, rule, master,
                               offload.host_devices(mesh)[0],
-                              config.nvme_path, config.nvme,
-                              config.delay_update)
+                              decisions.offload.nvme_path,
+                              decisions.offload.nvme,
+                              decisions.delay_update)
   if mirrored is None and rule is not None:
     return offload.FusedUpdate(tx, rule, master,
                                offload.host_devices(mesh)[0],
-                               config.delay_update)
+                               decisions.delay_update)
   if mirrored is not None:
     specs = [jax.tree.map(lambda s: s.spec, p.shardings) for p in mirrored]
     if rule is not None:

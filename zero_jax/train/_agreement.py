@@ -30,9 +30,13 @@ Measured with 2 processes x 4 CPU devices on 2 cores: 1.4-2 ms a round;
 behind a queued 0.5 s computation, 8-69 ms, where an all-gather of the row
 counts waited the whole 456 ms.
 
-Here, at the top, because ``train`` (which feeds the batch) comes before
-``distributed`` (which starts the runtime and arms fail-fast, whose abort
-key this module reads) in the package's order.
+Here, in ``train``, because the step checks its batch whether or not the
+script ever imported ``zero_jax.distributed``: a runtime started by
+``jax.distributed.initialize()`` alone, or a launched script that never
+called ``zero_jax.distributed.initialize()``, must be refused all the same.
+A process that failed is seen through ``_hooks``' abort probe, which
+``zero_jax.distributed``'s fail-fast (the one that publishes failures)
+sets.
 """
 
 from __future__ import annotations
@@ -46,15 +50,11 @@ import jax
 import numpy as np
 
 from zero_jax._compat import backends_started, distributed_state
+from zero_jax.train import _hooks
 
 # Set by ``python -m zero_jax.launch`` for each process it starts.
 ENV_NUM_PROCESSES = "ZERO_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "ZERO_JAX_PROCESS_ID"
-# Where a failing process writes its error (``zero_jax.distributed``'s
-# fail-fast), then its exit code after ``ABORT_CODE_MARK`` unless it is 1;
-# an exchange that waits reads it.
-ABORT_KEY = "zero_jax/abort"
-ABORT_CODE_MARK = "\x1f"  # (a character no error message holds)
 # How long a process waits for the others in one round before it gives up.
 # Generous: processes legitimately drift apart between steps (one compiles
 # longer, or writes a checkpoint's metadata), and the device collective the
@@ -173,15 +173,11 @@ def _wait(client: Any, base: str, n: int, tag: str, count: int,
         raise RuntimeError(
             f"the processes' {tag} check (round {count}) failed in JAX's "
             f"coordination service: {e}") from e
-    try:
-      failed = client.key_value_try_get(ABORT_KEY)
-    except Exception:  # pylint: disable=broad-except
-      failed = None  # (NOT_FOUND: nobody failed)
+    failed = _hooks.published_failure(client)
     if failed is not None:
       raise RuntimeError(
           f"another process failed while this one waited for the others' "
-          f"{tag} (round {count}): "
-          f"{str(failed).partition(ABORT_CODE_MARK)[0]}")
+          f"{tag} (round {count}): {failed}")
     if time.monotonic() >= deadline:
       there = {int(k.rpartition("/")[2])
                for k, _ in client.key_value_dir_get(f"{base}/v/")}
