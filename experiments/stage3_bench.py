@@ -17,7 +17,7 @@ no GPU needed), two ways:
 For each it reports the compiled per-device peak and temporaries
 (``memory_analysis()``), the persistent state (fp32 master + AdamW
 moments) per device, the collectives per device and step by kind and dtype
-(loops counted by trip count, ``analysis.summarize_by_dtype``), and how
+(loops counted by trip count, ``CompiledStep.collectives``), and how
 many of the asynchronous parameter all-gathers and gradient sums
 (reduce-scatters; zero_jax's all-to-alls) and the rest have at least one
 gemm scheduled between their start and done

@@ -11,13 +11,13 @@ import os
 
 import pytest
 
-from zero_jax import analysis
+from zero_jax.analysis._aot import INSTALL_HINT
 
 AVAILABLE = importlib.util.find_spec("jax_cuda12_plugin") is not None
 if not AVAILABLE and os.environ.get("ZERO_JAX_REQUIRE_GPU_COMPILE"):
-  raise ImportError("JAX's CUDA plugin is missing: " + analysis.INSTALL_HINT)
+  raise ImportError("JAX's CUDA plugin is missing: " + INSTALL_HINT)
 
 # Marks a test (or, as ``pytestmark``, a module) that compiles for GPUs.
 compiles_for_gpus = pytest.mark.skipif(
     not AVAILABLE, reason="JAX's CUDA plugin is not installed (Linux only): "
-    + analysis.INSTALL_HINT)
+    + INSTALL_HINT)

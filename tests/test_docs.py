@@ -1,5 +1,6 @@
 """Every zero_jax name, command, path and link the README and docs/ show
-exists.
+exists, and every public name of a subpackage (its ``__all__``) is one the
+README or docs/ show.
 
 The docs' Python (fenced ``python`` blocks, and inline code that parses as
 Python) is read with ``ast``: each ``import zero_jax as zj`` / ``zj.<name>``
@@ -354,6 +355,54 @@ See [x](no_such_file.md), [y](usage.md#no-such-heading),
               "usage.md has no heading #no-such-heading"):
     assert any(bad in p for p in targets), (bad, targets)
   assert len(targets) == 8, targets
+
+
+# ---------------------------------------------------- the documented surface
+
+
+def exported(init: pathlib.Path) -> list[str]:
+  """The names of an ``__init__.py``'s ``__all__``, read from its source
+  (nothing is imported)."""
+  for node in ast.parse(init.read_text(encoding="utf-8")).body:
+    if isinstance(node, ast.Assign) and any(
+        getattr(t, "id", None) == "__all__" for t in node.targets):
+      return list(ast.literal_eval(node.value))
+  return []
+
+
+def undocumented(names: list[str], text: str) -> list[str]:
+  """The names of ``names`` that ``text`` never mentions as a word."""
+  return [n for n in names if not re.search(rf"\b{re.escape(n)}\b", text)]
+
+
+def test_every_public_name_is_in_the_docs():
+  """A subpackage's ``__all__`` is what a user calls (the package itself
+  imports an internal from its private module, as optax's ``_src``), so
+  the README or a page of docs/ names each of its names; and each name of
+  the top level's curated list is one of them."""
+  text = "\n".join(p.read_text(encoding="utf-8") for p in _docs())
+  inits = sorted((_ROOT / _PACKAGE).glob("*/__init__.py"))
+  bad = [f"zero_jax.{init.parent.name}.{name}" for init in inits
+         for name in undocumented(exported(init), text)]
+  assert not bad, (
+      f"public but in no doc (README.md, docs/*.md): {bad}; name each in "
+      "the doc of its topic, or drop it from __all__ and import it from "
+      "its private module")
+  top = ast.parse((_ROOT / _PACKAGE / "__init__.py").read_text(
+      encoding="utf-8"))
+  names = next(ast.literal_eval(n.value) for n in top.body
+               if isinstance(n, ast.Assign) and
+               getattr(n.targets[0], "id", None) == "_NAMES")
+  outside = [f"{name} ({package})" for name, package in names.items()
+             if name not in exported(_ROOT / _PACKAGE / package /
+                                     "__init__.py")]
+  assert not outside, f"zero_jax's names not in their __all__: {outside}"
+
+
+def test_the_surface_check_matches_whole_words():
+  text = "`zj.layout.plan_leaf(shape, n, stage, m)` and a Plan's leaves"
+  assert undocumented(["plan_leaf", "Plan", "LeafPlan", "plan"],
+                      text) == ["LeafPlan", "plan"]
 
 
 def _section(text: str, heading: str) -> str:

@@ -271,11 +271,23 @@ def _layer(module: str) -> str | None:
       len(parts) == 2 and parts[1] in _LAYERS) else None
 
 
+def _public_names(package: str) -> set[str]:
+  """The names in ``zero_jax/<package>/__init__.py``'s ``__all__``."""
+  for node in _tree(_PACKAGE / package / "__init__.py").body:
+    if isinstance(node, ast.Assign) and any(
+        getattr(t, "id", None) == "__all__" for t in node.targets):
+      return set(ast.literal_eval(node.value))
+  return set()
+
+
 def test_imports_follow_the_data_flow_and_public_doors():
-  """A module imports its own subpackage's private modules, earlier
-  subpackages through their public __init__, and the top-level helpers:
-  never another subpackage's private module, nor a later subpackage, not
-  even inside a function."""
+  """A module imports its own subpackage's modules, the top-level helpers,
+  and earlier subpackages: a name of their user surface (``__all__``)
+  through their __init__, any other name from the private module that
+  defines it (optax's ``_src`` layout: the __init__ is the user's door, not
+  the package's own). Never a later subpackage, not even inside a
+  function. The top level's entry modules (``python -m zero_jax.estimate``,
+  ``zero_jax.launch``) are the user's code: public doors only."""
   bad = []
   for name, targets in _import_graph(_all_imports).items():
     own = _layer(name)
@@ -288,11 +300,26 @@ def test_imports_follow_the_data_flow_and_public_doors():
         continue
       if there == own:
         continue
-      if target != f"zero_jax.{there}":
+      if own is None and target != f"zero_jax.{there}":
         bad.append(f"{name} imports {target}, private to zero_jax.{there}"
                    f" (import from zero_jax.{there})")
       if own is not None and _LAYERS.index(there) > _LAYERS.index(own):
         bad.append(f"{name} ({own}) imports {target}, a later layer")
+  # A public name comes through its package's door, so that the user's
+  # surface is the one the package itself uses.
+  for name, path in _modules().items():
+    own = _layer(name)
+    for node in _all_imports(_tree(path)):
+      if not isinstance(node, ast.ImportFrom) or node.level:
+        continue
+      parts = (node.module or "").split(".")
+      if (len(parts) < 3 or parts[0] != "zero_jax" or parts[1] == own or
+          parts[1] not in _LAYERS):
+        continue
+      for alias in node.names:
+        if alias.name in _public_names(parts[1]):
+          bad.append(f"{name} imports {alias.name} from {node.module}: "
+                     f"public, import it from zero_jax.{parts[1]}")
   assert not bad, bad
 
 

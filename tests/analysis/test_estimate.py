@@ -15,13 +15,15 @@ import zero_jax as zj
 from tests import _models as m
 from tests.analysis import _shared
 from zero_jax import analysis
-from zero_jax.analysis import (Estimate, bytes_by_memory_kind, comm_in_psi,
-                               comm_volume, compiled_memory,
+from zero_jax.analysis import (Estimate, comm_in_psi, compiled_memory,
                                estimate_activations, estimate_comm,
-                               estimate_memory, main, paper_estimate,
-                               paper_model_state_bytes, param_count,
-                               parse_count, per_device_bytes,
+                               estimate_memory, main, paper_model_state_bytes,
+                               param_count, per_device_bytes,
                                train_state_bytes)
+from zero_jax.analysis._arguments import parse_count
+from zero_jax.analysis._comm import comm_volume
+from zero_jax.analysis._measure import bytes_by_memory_kind
+from zero_jax.analysis._memory import paper_estimate
 
 N = 8
 GIB = 2 ** 30

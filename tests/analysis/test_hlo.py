@@ -3,6 +3,7 @@
 import pytest
 
 from zero_jax import analysis
+from zero_jax.analysis._hlo import replica_groups
 
 _TEXT = """
   %all-reduce = (f32[2,64]{1,0}, /*index=1*/f32[16]{0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, to_apply=%add
@@ -71,13 +72,13 @@ def test_loop_trip_counts_multiply():
 ])
 def test_replica_groups_in_every_form_xla_prints(text, groups):
   line = f"%ag = f32[8]{{0}} all-gather(%p), channel_id=1, {text}, dims"
-  assert analysis.replica_groups(line) == groups
+  assert replica_groups(line) == groups
 
 
 def test_unreadable_sub_axes_give_no_groups():
   line = ("%ag = f32[8]{0} all-gather(%p), replica_groups=mesh['data'=8] "
           "{'data':(3)2}, dims")
-  assert analysis.replica_groups(line) is None
+  assert replica_groups(line) is None
 
 
 def test_collectives_name_the_mesh_axes_they_run_along():

@@ -400,7 +400,7 @@ def test_an_export_of_8_devices_loads_on_1_with_the_documented_code(
   zj.export_params(engine, state, tmp_path / "out", dtype=jnp.bfloat16)
   want = {k: np.asarray(v.astype(jnp.bfloat16)).astype(np.float32)
           for k, v in engine.gather_params(state).items()}
-  code = _doc_block("checkpoints.md", "ocp.StandardCheckpointer().restore")
+  code = _doc_block("checkpoints.md", "on_device = ocp.StandardCheckpointer")
   code += textwrap.dedent("""
       import sys
       assert len(jax.devices()) == 1, jax.devices()

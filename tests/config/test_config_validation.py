@@ -16,8 +16,8 @@ import pytest
 import zero_jax as zj
 from zero_jax.analysis import (comm_in_psi, estimate_activations,
                                estimate_comm, estimate_memory, main,
-                               optimizer_state_bytes, paper_estimate,
                                paper_model_state_bytes)
+from zero_jax.analysis._memory import optimizer_state_bytes, paper_estimate
 
 _NAN, _INF = float("nan"), float("inf")
 

@@ -13,6 +13,7 @@ import pytest
 import zero_jax as zj
 from zero_jax import config as zconfig
 from zero_jax.config import _ds_keys as deepspeed_keys
+from zero_jax.config import _ds_mapping as ds_mapping
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 _OPT = "zero_optimization.offload_optimizer."
@@ -267,7 +268,7 @@ def test_ratio_below_one_warns_with_nvme_too():
 def test_no_nvme_key_is_dropped_silently():
   # Every NVMe key of DeepSpeed's schema is a row of the map (with its
   # field) or has a reason in the key tables: none is unknown.
-  tables = ({row.key for row in zconfig.MAPPING} |
+  tables = ({row.key for row in ds_mapping.MAPPING} |
             set(deepspeed_keys.NO_EFFECT_KEYS))
   keys = [_OPT + leaf for leaf in (
       "device", "nvme_path", "buffer_count", "pipeline_read",
@@ -296,7 +297,7 @@ def test_no_nvme_key_is_dropped_silently():
   # The rows' fields are ZeroConfig fields or shorthand, or NvmeOptions
   # fields under "nvme.".
   nvme_fields = set(zconfig.NvmeOptions.__dataclass_fields__)
-  for row in zconfig.MAPPING:
+  for row in ds_mapping.MAPPING:
     if row.field.startswith("nvme."):
       assert row.field[len("nvme."):] in nvme_fields, row.key
     elif row.field:

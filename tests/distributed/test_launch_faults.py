@@ -325,7 +325,7 @@ def test_the_runner_registers_the_stack_dump_and_creates_the_heartbeat(
       """))
   path = tmp_path / "heartbeat0"
   env = {k: v for k, v in os.environ.items()
-         if k != distributed.ENV_HEARTBEAT_FILE}
+         if k != _hooks.ENV_HEARTBEAT_FILE}
 
   def run(**extra: str) -> str:
     out = subprocess.run(
@@ -346,7 +346,7 @@ def test_step_done_touches_the_heartbeat_at_most_once_a_second(
   path = tmp_path / "heartbeat0"
   path.touch()
   os.utime(path, ns=(0, 0))  # (as the runner leaves it)
-  monkeypatch.setenv(distributed.ENV_HEARTBEAT_FILE, str(path))
+  monkeypatch.setenv(_hooks.ENV_HEARTBEAT_FILE, str(path))
   monkeypatch.setattr(_hooks, "_due", 0.0)
   distributed.step_done()
   assert os.stat(path).st_mtime_ns > 0
@@ -362,7 +362,7 @@ def test_step_done_touches_the_heartbeat_at_most_once_a_second(
 
 
 def test_step_done_without_the_launcher_is_cheap(monkeypatch):
-  monkeypatch.delenv(distributed.ENV_HEARTBEAT_FILE, raising=False)
+  monkeypatch.delenv(_hooks.ENV_HEARTBEAT_FILE, raising=False)
   t0 = time.perf_counter()
   for _ in range(100_000):
     distributed.step_done()

@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests import _tp_models as tp
 from zero_jax.layout import make_mesh
-from zero_jax.layout import is_model_parallel, model_specs
+from zero_jax.layout import model_specs
+from zero_jax.layout._model_specs import is_model_parallel
 
 M = ("model",)
 D = ("data",)

@@ -16,6 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax import layout, materialize
+from zero_jax.materialize._collectives import (cast, gather_replicated,
+                                               reduce_leaf)
 
 N = 8
 
@@ -75,8 +77,8 @@ def test_reduce_leaf_sums_over_devices_into_each_layout():
 
   def local(w):
     g = w[0] * x
-    return (materialize.reduce_leaf(lp, g),
-            materialize.reduce_leaf(replicated, w[0] * jnp.ones(3)))
+    return (reduce_leaf(lp, g),
+            reduce_leaf(replicated, w[0] * jnp.ones(3)))
 
   sharded, whole = jax.jit(jax.shard_map(
       local, mesh=mesh, in_specs=(P("data"),), out_specs=(lp.spec, P()),
@@ -92,7 +94,7 @@ def test_gather_replicated_makes_the_replicated_copy_in_its_dtype(dtype):
   tree = {"w": x, "b": jnp.arange(3.0)}
   plan = layout.Plan(tree, mesh, 3, min_shard_elements=8)
   sharded = jax.device_put(tree, plan.shardings)
-  out = jax.jit(functools.partial(materialize.gather_replicated, plan,
+  out = jax.jit(functools.partial(gather_replicated, plan,
                                   dtype=dtype))(sharded)
   for name in tree:
     assert out[name].dtype == (dtype or jnp.float32)
@@ -106,5 +108,5 @@ def test_gather_replicated_makes_the_replicated_copy_in_its_dtype(dtype):
 
 def test_cast_keeps_the_dtype_given_none():
   x = jnp.ones(3)
-  assert materialize.cast(x, None) is x
-  assert materialize.cast(x, jnp.bfloat16).dtype == jnp.bfloat16
+  assert cast(x, None) is x
+  assert cast(x, jnp.bfloat16).dtype == jnp.bfloat16

@@ -1,4 +1,4 @@
-"""ZeRO++'s quantized collectives (``layout.Quantize``): int8 blocks with
+"""ZeRO++'s quantized collectives (``Quantize``): int8 blocks with
 float32 scales, against plain arrays, with the error each adds bounded.
 
 And the exact path they sit beside: 16-bit gradients summed in float32
@@ -14,12 +14,15 @@ from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax import layout, materialize
+from zero_jax.layout._placement import Quantize
+from zero_jax.materialize._collectives import (dequantize_blocks,
+                                               quantize_blocks, reduce_leaf)
 
 N = 8
 BLOCK = 256
 # (Jitted: one compile per shape instead of one per operation.)
-_quantize = jax.jit(materialize.quantize_blocks, static_argnums=1)
-_dequantize = jax.jit(materialize.dequantize_blocks, static_argnums=2)
+_quantize = jax.jit(quantize_blocks, static_argnums=1)
+_dequantize = jax.jit(dequantize_blocks, static_argnums=2)
 
 
 def _blocks(x, block):
@@ -75,7 +78,7 @@ def test_quantized_gather_is_each_shard_dequantized(shape):
   # gradient still comes back to the shard, reduce-scattered.
   mesh, lp, x, weights = _setup(shape)
   how = materialize.Materializer(layout.Materialize.GATHER,
-                                 quantize=layout.Quantize(weights=True))
+                                 quantize=Quantize(weights=True))
 
   def local(shard, w):
     def loss(s):
@@ -104,10 +107,10 @@ def test_quantized_reduce_scatter_error_is_bounded(shape):
   # qgZ: device d sends w_d * x as int8 blocks; each block it sends is off
   # by at most half its scale, w_d * max|x's block| / 127.
   mesh, lp, x, weights = _setup(shape)
-  quantize = layout.Quantize(gradients=True)
+  quantize = Quantize(gradients=True)
 
   def local(w):
-    return materialize.reduce_leaf(lp, w[0] * x, quantize=quantize)
+    return reduce_leaf(lp, w[0] * x, quantize=quantize)
 
   summed = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"),),
                                  out_specs=lp.spec, check_vma=False))(weights)
@@ -129,9 +132,9 @@ def test_16bit_gradients_summed_in_float32_match_a_float32_reduce_scatter():
   grads = (x[None] * weights[:, None, None] * 1.001).astype(jnp.bfloat16)
 
   def local(g):
-    return (materialize.reduce_leaf(lp, g[0], reduce_dtype=jnp.float32,
+    return (reduce_leaf(lp, g[0], reduce_dtype=jnp.float32,
                                     out_dtype=jnp.float32),
-            materialize.reduce_leaf(lp, g[0], reduce_dtype=jnp.bfloat16,
+            reduce_leaf(lp, g[0], reduce_dtype=jnp.bfloat16,
                                     out_dtype=jnp.float32))
 
   wide, narrow = jax.jit(jax.shard_map(

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from zero_jax import metrics as zm
+from zero_jax.metrics._progress import to_python
+from zero_jax.metrics._throughput import PEAK_FLOPS
 
 # ------------------------------------------------------------- peak lookup
 
@@ -45,14 +47,14 @@ def test_peak_flops_by_kind(kind, expected):
 def test_peak_flops_most_specific_wins():
   # GH200 and H200 carry the same figure, so check the key that was chosen
   # by making them differ.
-  table = dict(zm.PEAK_FLOPS)
+  table = dict(PEAK_FLOPS)
   try:
-    zm.PEAK_FLOPS["GH200"] = 1.0
+    PEAK_FLOPS["GH200"] = 1.0
     assert zm.peak_flops("NVIDIA GH200 480GB") == 1.0
     assert zm.peak_flops("NVIDIA H200") == 989e12
   finally:
-    zm.PEAK_FLOPS.clear()
-    zm.PEAK_FLOPS.update(table)
+    PEAK_FLOPS.clear()
+    PEAK_FLOPS.update(table)
 
 
 def test_peak_flops_on_cpu_is_none():
@@ -199,7 +201,7 @@ def test_progress_bar_redraws_on_a_tty():
 
 
 def test_to_python():
-  out = zm.to_python({
+  out = to_python({
       "loss": jnp.float32(1.5),
       "bf16": jnp.asarray(2.5, jnp.bfloat16),
       "n": jnp.int32(3),

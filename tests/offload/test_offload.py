@@ -18,6 +18,7 @@ import zero_jax as zj
 from tests import _models as m
 from tests._jaxpr import copies_to, layer_loops
 from zero_jax import offload
+from zero_jax.offload import _separable as separable
 
 HOST, DEVICE = "pinned_host", "device"
 
@@ -475,16 +476,16 @@ def test_streamed_update_refuses_a_global_norm_in_the_chain():
 
 def test_separable_tells_rows_and_leaves_apart():
   x = jax.ShapeDtypeStruct((4, 3), np.float32)
-  tag = offload.Tag
+  tag = separable.Tag
   # Elementwise and reductions over other axes keep rows apart; a cumulative
   # sum down the rows, or a sum over them, mixes them.
-  r = offload.analyze(
+  r = separable.analyze(
       lambda a, b, c: (a * 2 + a.sum(1, keepdims=True), jnp.cumsum(b, 0),
                        c.T.sum(1)),
       (x, x, x), (tag({0: 0}), tag({1: 0}), tag({2: 0})))
   assert r.lost == {1, 2} and not r.cross
   assert r.out == [{0: 0}, {1: None}, {2: None}]
   # A global norm meets both leaves in one value.
-  r = offload.analyze(lambda a, b: a / (jnp.sum(a * a) + jnp.sum(b * b)),
+  r = separable.analyze(lambda a, b: a / (jnp.sum(a * a) + jnp.sum(b * b)),
                         (x, x), (tag({0: 0}), tag({1: 0})))
   assert r.cross and r.cross[0][1] == {0, 1}

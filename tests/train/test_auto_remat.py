@@ -23,7 +23,7 @@ from flax import nnx
 import zero_jax as zj
 from tests._gpu import compiles_for_gpus
 from zero_jax import analysis
-from zero_jax.config import AUTO_CANDIDATES
+from zero_jax.config._remat import AUTO_CANDIDATES
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
 from zero_jax.train import _auto_remat
 

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import zero_jax as zj
+from zero_jax.train._hooks import ENV_HEARTBEAT_FILE
 from tests import _models as m
 
 
@@ -141,7 +142,7 @@ def test_each_step_reports_progress_to_the_launchers_watchdog(
   beat = tmp_path / "heartbeat0"
   beat.touch()
   os.utime(beat, ns=(0, 0))
-  monkeypatch.setenv(zj.distributed.ENV_HEARTBEAT_FILE, str(beat))
+  monkeypatch.setenv(ENV_HEARTBEAT_FILE, str(beat))
   calls = []
   remove = zj.train.add_step_listener(lambda: calls.append(1))
   try:

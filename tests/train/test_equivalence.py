@@ -13,7 +13,7 @@ import pytest
 import zero_jax as zj
 from tests import _models as m
 from tests.train import _shared
-from zero_jax import layout
+from zero_jax.layout._plan import flat
 
 STAGES = [0, 1, 2, 3]
 DEVICES = [1, 2, 4, 8]
@@ -105,7 +105,7 @@ def test_hierarchical_mesh_matches_single_device_optax(model, stage, opt):
   engine, state = _train(model, stage, opt, mesh)
   # Sharded leaves hold 1/4 of the leaf per device, not 1/8.
   for x, lp in zip(jax.tree.leaves(state.opt_state),
-                   layout.flat(engine.opt_plan.leaves)):
+                   flat(engine.opt_plan.leaves)):
     if lp.sharded:
       assert x.sharding.shard_shape(x.shape) == lp.local_shape(4)
 

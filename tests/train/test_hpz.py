@@ -13,7 +13,7 @@ import zero_jax as zj
 from tests import _models as m
 from tests.train import _shared
 from zero_jax import config as zconfig
-from zero_jax import layout
+from zero_jax.layout._plan import flat
 
 
 # Steps per model: the MLP's 10 of tests/_models, the GPT's 3 (enough for
@@ -45,7 +45,7 @@ def test_hpz_matches_single_device_optax(model, opt):
   for tree, plan in ((state.params, engine.param_plan),
                      (state.opt_state, engine.opt_plan)):
     sharded = [(x, lp) for x, lp in zip(jax.tree.leaves(tree),
-                                        layout.flat(plan.leaves))
+                                        flat(plan.leaves))
                if lp.sharded]
     assert sharded
     for x, lp in sharded:

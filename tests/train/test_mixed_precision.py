@@ -11,7 +11,7 @@ import zero_jax as zj
 from tests import _models as m
 from tests.train import _shared
 from zero_jax import analysis
-from zero_jax import layout
+from zero_jax.layout._plan import flat
 
 BF16 = jnp.bfloat16
 
@@ -85,7 +85,7 @@ def test_16bit_tracks_single_device_16bit(model, dtype, stage):
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
   if stage in (1, 2):
     for x, lp in zip(jax.tree.leaves(state.params),
-                     layout.flat(engine.param_plan.leaves)):
+                     flat(engine.param_plan.leaves)):
       assert x.sharding.is_fully_replicated == (not lp.sharded)
   if stage in (1, 2):
     # (Stage 2 keeps it with the default global loss, whose gradients the

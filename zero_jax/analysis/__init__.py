@@ -1,14 +1,17 @@
 """Analysis: what a ZeRO layout costs each device, estimated and measured.
 
 - analytic models of memory and communication per stage
-  (``estimate_memory``, ``estimate_comm``, ``estimate_activations``) next to
-  the paper's formula (``paper_model_state_bytes``);
+  (``estimate_memory``, an ``Estimate``; ``estimate_comm``,
+  ``estimate_activations``) next to the paper's formula
+  (``paper_model_state_bytes``);
 - measurements of a real or compiled step (``compiled_memory``,
-  ``per_device_bytes``, ``train_state_bytes``; the collectives of its HLO
-  text: ``collectives``, ``summarize``, ``summarize_by_dtype``; the bytes
-  it moves between host and device memory: ``host_transfers``);
+  ``per_device_bytes``, ``param_count``, ``train_state_bytes``; the
+  collectives of its HLO text: ``collectives``, ``summarize``,
+  ``sent_across_nodes``; the bytes it moves between host and device memory:
+  ``host_transfers``);
 - compiling the train step for NVIDIA GPUs without one (``gpu_mesh``,
-  ``compile_step``, and the GSPMD FSDP peer of a step:
+  ``gpu_devices`` of the ``TARGETS``, ``compile_step``, ``abstract_batch``,
+  and the GSPMD FSDP peer of a step:
   ``compile_gspmd_step``; the reference GPT's are ``zero_jax.models``'
   ``compile_gpt`` and ``compile_gspmd_gpt``) and which of a compiled GPU
   program's asynchronous collectives overlap a gemm (``overlap``,
@@ -20,23 +23,19 @@
   ``zero_jax.models`` to compile the reference GPT).
 """
 
-from zero_jax.analysis._aot import (INSTALL_HINT, TARGETS, CompiledStep,
-                                    abstract_batch, compile_step,
-                                    gpu_devices, gpu_mesh, target_spec)
+from zero_jax._devices import device_memory
+from zero_jax.analysis._aot import (TARGETS, CompiledStep, abstract_batch,
+                                    compile_step, gpu_devices, gpu_mesh)
 from zero_jax.analysis._cli import main
-from zero_jax.analysis._arguments import parse_count
-from zero_jax.analysis._comm import comm_in_psi, comm_volume, estimate_comm
+from zero_jax.analysis._comm import comm_in_psi, estimate_comm
 from zero_jax.analysis._gspmd import compile_gspmd_step
-from zero_jax.analysis._hlo import (Collective, axes_of, collectives,
-                                    replica_groups, sent_across_nodes,
-                                    summarize, summarize_by_dtype)
-from zero_jax.analysis._measure import (CompiledMemory, bytes_by_memory_kind,
-                                        compiled_memory, param_count,
-                                        per_device_bytes, train_state_bytes)
-from zero_jax.analysis._memory import (OPTIMIZER_STATE_BYTES, Estimate,
-                                       estimate_activations, estimate_memory,
-                                       optimizer_state_bytes,
-                                       paper_estimate,
+from zero_jax.analysis._hlo import (Collective, collectives,
+                                    sent_across_nodes, summarize)
+from zero_jax.analysis._measure import (CompiledMemory, compiled_memory,
+                                        param_count, per_device_bytes,
+                                        train_state_bytes)
+from zero_jax.analysis._memory import (Estimate, estimate_activations,
+                                       estimate_memory,
                                        paper_model_state_bytes)
 from zero_jax.analysis._overlap import (AsyncCollective, OverlapCount,
                                         overlap, overlap_summary)
@@ -48,20 +47,16 @@ __all__ = [
     "CompiledMemory",
     "CompiledStep",
     "Estimate",
-    "INSTALL_HINT",
-    "OPTIMIZER_STATE_BYTES",
     "OverlapCount",
     "TARGETS",
     "Transfers",
     "abstract_batch",
-    "axes_of",
-    "bytes_by_memory_kind",
     "collectives",
     "comm_in_psi",
-    "comm_volume",
     "compile_gspmd_step",
     "compile_step",
     "compiled_memory",
+    "device_memory",
     "estimate_activations",
     "estimate_comm",
     "estimate_memory",
@@ -69,18 +64,12 @@ __all__ = [
     "gpu_mesh",
     "host_transfers",
     "main",
-    "optimizer_state_bytes",
     "overlap",
     "overlap_summary",
-    "paper_estimate",
     "paper_model_state_bytes",
     "param_count",
-    "parse_count",
     "per_device_bytes",
-    "replica_groups",
     "sent_across_nodes",
     "summarize",
-    "summarize_by_dtype",
-    "target_spec",
     "train_state_bytes",
 ]

@@ -50,7 +50,8 @@ from zero_jax.analysis import _memory as memory
 from zero_jax.analysis._arguments import (COMPUTE_DTYPES, MAX_BYTES,
                                         build_parser)
 from zero_jax.analysis._measure import param_count
-from zero_jax.config import NAMED_POLICIES, ZeroConfig
+from zero_jax.config import ZeroConfig
+from zero_jax.config._remat import NAMED_POLICIES
 
 _GIB = 2 ** 30
 _STAGE_NAMES = {

@@ -19,7 +19,8 @@ from zero_jax.analysis import _hlo as hlo
 from zero_jax.analysis import _measure as measure
 from zero_jax.analysis import _transfers as transfers_
 from zero_jax.config import ZeroConfig
-from zero_jax.layout import DATA, Plan, layout_mesh
+from zero_jax.layout import DATA, Plan
+from zero_jax.layout._mesh import layout_mesh
 
 
 def compile_gspmd_step(loss_fn: Any, tx: Any, params: Any, batch: Any,

@@ -10,7 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from zero_jax._checks import check_choice, check_float, check_int, fail
-from zero_jax.config import STAGES
+from zero_jax.config._config import STAGES
 
 PSI_FIX = ("pass the parameter count, e.g. 7.5e9 (zero_jax.analysis."
            "param_count(params) counts a tree)")

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from zero_jax import materialize
 from zero_jax.checkpoint._matching import check_matches
+from zero_jax.materialize._collectives import cast
 from zero_jax.train import Engine, TrainState
 
 
@@ -134,4 +134,4 @@ def _unpinned_checkpointer() -> ocp.Checkpointer:
 
 
 # One leaf at a time, cast shard by shard on the devices that hold it.
-_cast = jax.jit(materialize.cast, static_argnums=1)
+_cast = jax.jit(cast, static_argnums=1)

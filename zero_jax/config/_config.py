@@ -16,7 +16,8 @@ from zero_jax.config._combinations import check_combinations
 from zero_jax.config._offload import Offload
 from zero_jax.config._remat import Activations
 from zero_jax.config._sections import (INT32_MAX, Batch, LossScaling,
-                                       LossScope, MixedPrecision, ZeroPP)
+                                       LossScope, MixedPrecision, ZeroPP,
+                                       from_mapping)
 
 # The ZeRO stages: 0 (plain data parallelism) to 3.
 STAGES = (0, 1, 2, 3)
@@ -317,12 +318,7 @@ def _section(name: str, value: Any, overrides: dict[str, Any]) -> Any:
   if value is None:
     value = {}
   if isinstance(value, Mapping):
-    names = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(value) - names)
-    if unknown:
-      raise ValueError(f"unknown ZeroConfig.{name} field(s) {unknown}; "
-                       f"valid fields are {sorted(names)}")
-    return kind(**{**value, **overrides})
+    return from_mapping(kind, value, f"ZeroConfig.{name}", **overrides)
   if not isinstance(value, kind):
     fail(f"ZeroConfig.{name}", f"an instance of {kind.__name__} or a "
          "mapping of its fields", value, f"e.g. zero_jax.{kind.__name__}()")

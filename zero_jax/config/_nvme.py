@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from zero_jax._checks import check_bool, check_int, fail
+from zero_jax.config._sections import from_mapping
 
 _MIB = 2**20
 # O_DIRECT requests start and end on the disk's logical blocks: 4 KiB
@@ -92,11 +93,6 @@ class NvmeOptions:
     if isinstance(value, cls):
       return value
     if isinstance(value, Mapping):
-      names = {f.name for f in dataclasses.fields(cls)}
-      unknown = sorted(set(value) - names)
-      if unknown:
-        raise ValueError(f"unknown NvmeOptions field(s) {unknown}; valid "
-                         f"fields are {sorted(names)}")
-      return cls(**value)
+      return from_mapping(cls, value, "NvmeOptions")
     fail("ZeroConfig.nvme", "NvmeOptions, a mapping of its fields or None",
          value, "e.g. zero_jax.NvmeOptions(buffer_count=4)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Mapping, NoReturn
 
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +105,18 @@ class Section:
     _raise(self.label(name), what,
            getattr(self, name) if value is dataclasses.MISSING else value,
            fix)
+
+
+def from_mapping(kind: type, value: Mapping[str, Any], what: str,
+                 **overrides: Any) -> Any:
+  """``kind(**value, **overrides)``, refusing keys that are not fields of
+  the dataclass ``kind`` (``what`` names it in the message)."""
+  names = {f.name for f in dataclasses.fields(kind)}
+  unknown = sorted(set(value) - names)
+  if unknown:
+    raise ValueError(f"unknown {what} field(s) {unknown}; valid fields are "
+                     f"{sorted(names)}")
+  return kind(**{**value, **overrides})
 
 
 def check_dtype(section: Section, name: str, fix: str) -> None:

@@ -39,8 +39,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax._compat import backends_started, cluster_kinds, distributed_state
 from zero_jax.distributed import _failfast
-from zero_jax.layout import batch_axes
-from zero_jax.train import ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from zero_jax.layout._mesh import batch_axes
+from zero_jax.train._agreement import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 # Set by ``python -m zero_jax.launch`` for each process it starts (with
 # ENV_NUM_PROCESSES and ENV_PROCESS_ID, which the step's batch check in

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from zero_jax.distributed._runtime import (ENV_COORDINATOR, ENV_CPU_DEVICES,
                                            ENV_NUM_PROCESSES, ENV_PROCESS_ID)
-from zero_jax.train import ENV_HEARTBEAT_FILE
+from zero_jax.train._hooks import ENV_HEARTBEAT_FILE
 
 HOST = "127.0.0.1"
 _DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
@@ -100,9 +100,9 @@ TRAMPOLINE = (
 # without stderr lacks: else its steps would go unseen.)
 # Once the script has ended well, a script that used JAX but never started
 # its distributed runtime (zero_jax.distributed.initialize()) ran alone, as
-# if it were the only process: an error (zero_jax.train.alone_at_exit;
-# Engine.step says so at the first step already). Skipped where the
-# script's Python cannot import zero_jax.
+# if it were the only process: an error (alone_at_exit of
+# zero_jax/train/_agreement.py; Engine.step says so at the first step
+# already). Skipped where the script's Python cannot import zero_jax.
 # Inline and standard library only until the script has run, not a module of
 # this package: importing zero_jax.distributed would import JAX before the
 # script sets its flags.

@@ -16,7 +16,7 @@ barriers; memory claims are made on GPU-compiled programs.
 
 Plain JAX code wraps the block function itself: ``x =
 zj.layer(block_fn)(params_i, x)``. Flax module calls are wrapped by the
-engine while it traces ``loss_fn`` (``zero_jax.layers.intercepting``),
+engine while it traces ``loss_fn`` (``zero_jax.layers._intercept``),
 through ``run_as_unit``.
 """
 
@@ -29,9 +29,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zero_jax import materialize
 from zero_jax._compat import varying_axes
 from zero_jax.layers._remat import kept_names, remat_policy
+from zero_jax.materialize._context import current
 
 # Set while a unit runs its block: the block's own module calls (and the
 # unit's pure re-application of the module) are not units again.
@@ -94,7 +94,7 @@ def run_as_unit(f: Callable[..., Any], params: Any, args: tuple[Any, ...],
   Returns:
     What ``f`` returns.
   """
-  context = materialize.current()
+  context = current()
   if _INSIDE.get() or context is None or not context.runs_units:
     return f(params, *args, **kwargs)
   leaves, treedef = jax.tree.flatten(params)

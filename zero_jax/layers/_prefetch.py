@@ -13,7 +13,7 @@ input (``remat="full"``); backward walks the layers in reverse, gathers
 layer i-1 while layer i is recomputed and differentiated, and hands layer
 i's weight gradients to the gather's transpose in the next iteration, while
 layer i-1 is differentiated: one reduction per layer, every leaf's blocks
-side by side (``materialize.materialize_together``), so that a layer's
+side by side (``materialize_together``), so that a layer's
 gradient sum is one collective for XLA's scheduler to hide.
 
 Parameters are gathered leaf by leaf, each into its own buffer, and the
@@ -49,8 +49,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from zero_jax import materialize
 from zero_jax.layout import Materialize
+from zero_jax.materialize._collectives import use_with_scattered_grad
+from zero_jax.materialize._materializer import materialize_together
 
 # XLA options the step is compiled with under prefetch (GPU scheduling; no
 # effect elsewhere): two collectives in flight, a layer's gather beside the
@@ -143,7 +144,7 @@ def _kept_backward(res, cotangent, apply, hows, store, acc, n):
   """``prefetched_scan``'s backward where forward kept each gathered layer
   (``Materializer.keep``, stage 2): nothing to gather; each leaf's gradient
   is reduce-scattered as the layer's backward makes it
-  (``materialize.use_with_scattered_grad``), as the replicated copy's is,
+  (``use_with_scattered_grad``), as the replicated copy's is,
   so that no layer's gradients wait for the next iteration."""
   inputs, kept, shards, floats, consts, fixed = res
   d_out, d_ys = cotangent
@@ -153,7 +154,7 @@ def _kept_backward(res, cotangent, apply, hows, store, acc, n):
     i, h_in, fl, fx, d_y, kept_i = xs
 
     def from_kept(h, sh, fl, c):
-      full = [materialize.use_with_scattered_grad(
+      full = [use_with_scattered_grad(
           lp, s, k, how.reduce_dtype, how.quantize)
               for (how, lp), s, k in zip(hows, sh, kept_i)]
       return apply(h, full, fl, c, fx)
@@ -255,7 +256,7 @@ def prefetched_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any,
       # Layer j's weight gradients to its shards: the gather's transpose
       # (its primal result unused: XLA drops it).
       _, to_shards = jax.vjp(
-          lambda sh: materialize.materialize_together(
+          lambda sh: materialize_together(
               hows, [(s, None) for s in sh]), _index(shards, j))
       return to_shards(d_gathered)[0]
 

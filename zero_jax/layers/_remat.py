@@ -7,7 +7,9 @@ from typing import Any, Iterable
 import jax
 
 from zero_jax import materialize
-from zero_jax.config import RematPolicy, check_remat
+from zero_jax.config import RematPolicy
+from zero_jax.config._remat import check_remat
+from zero_jax.materialize._materializer import KEPT
 
 # The primitive of jax.nn.dot_product_attention's cuDNN forward (jax 0.10 to
 # 0.12), whose outputs are the attention's output and softmax statistics:
@@ -61,7 +63,7 @@ def kept_names(hows: Iterable[tuple[Any, Any]]) -> tuple[str, ...]:
   hows = list(hows)
   names = ((materialize.SECONDARY,) if any(lp.hierarchical for _, lp in hows)
            else ())
-  return names + ((materialize.KEPT,) if any(m.keep for m, _ in hows)
+  return names + ((KEPT,) if any(m.keep for m, _ in hows)
                   else ())
 
 

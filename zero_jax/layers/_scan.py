@@ -31,8 +31,9 @@ from zero_jax import materialize
 from zero_jax.layers._prefetch import (grad_dtype, prefetched_scan,
                                       round_grad)
 from zero_jax.layers._remat import kept_names, remat_policy
-from zero_jax.layout import (MODEL, LeafPlan, Materialize, Prefetch,
-                             auto_model_size)
+from zero_jax.layout import MODEL, LeafPlan, Materialize, Prefetch
+from zero_jax.layout._mesh import auto_model_size
+from zero_jax.materialize._context import current
 
 # The ``checkpoint_name`` of each layer's input (the scan's carry): what
 # ``remat="full"`` saves for backward. ``remat="offload_to_host"`` with this
@@ -172,7 +173,7 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
   Returns:
     ``(carry, ys)`` as from ``jax.lax.scan``.
   """
-  context = materialize.current() or materialize.LossContext({})
+  context = current() or materialize.LossContext({})
   policy_name = context.remat if remat is None else remat
   names = context.remat_names if remat_names is None else tuple(remat_names)
   leaves, treedef = jax.tree.flatten(xs)

@@ -8,7 +8,7 @@ subtrees with identical structure, shapes and dtypes (``blocks/0``,
 ``layers/3`` of a plain dict). ``find_units`` finds them once, when the
 engine lays out the parameters (``ZeroConfig.layer_classes=None``); while
 the step is traced, a Flax module call whose parameters are exactly one of
-them runs as a unit (``zero_jax.layers.intercepting``), and
+them runs as a unit (``zero_jax.layers._intercept``), and
 ``describe_units`` reports both for ``Engine.describe()``.
 """
 

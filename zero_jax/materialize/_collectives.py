@@ -31,8 +31,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zero_jax._compat import varying_axes
-from zero_jax.layout import (DATA, MODEL, LeafPlan, Quantize, batch_axes,
-                             map_leaves, replica_axes)
+from zero_jax.layout import DATA, MODEL, LeafPlan
+from zero_jax.layout._mesh import batch_axes, replica_axes
+from zero_jax.layout._placement import Quantize
+from zero_jax.layout._plan import map_leaves
 
 
 def cast(x: jax.Array, dtype) -> jax.Array:
@@ -47,9 +49,8 @@ def _all_axes() -> tuple[str, ...]:
 def _to_replica_varying(x: jax.Array) -> jax.Array:
   # Marking the shard varying over ``replica`` *before* the gather makes the
   # transpose all-reduce the reduce-scattered shard across groups, not the
-  # full gradient.
-  # (Already varying there when a block's barrier joined it to the
-  # activation: zero_jax.layers.layer.)
+  # full gradient. (Already varying there when a block's barrier joined it
+  # to the activation: zero_jax.layers.layer.)
   vma = varying_axes(x)
   axes = tuple(a for a in replica_axes() if a not in vma)
   return jax.lax.pcast(x, axes, to="varying") if axes else x
@@ -99,12 +100,11 @@ def major_gather(x: jax.Array, dim: int, axis: str = DATA) -> jax.Array:
   leading dimension first.
 
   GPU all-gathers concatenate along the most major dimension. Asked for
-  another, XLA gives the operand a layout where ``dim`` is major, and for
-  a scanned layer's slice it does so once, for the whole stack before the
-  loop: a transposed copy of every layer's float32 shards (2.7 GiB a
-  device at 6.7B on 8 H100s). Stacked along a new dimension, the shards
-  need no layout of their own; what is moved is the gathered 16-bit layer,
-  one at a time.
+  another, XLA gives the operand a layout where ``dim`` is major, and for a
+  scanned layer's slice it does so once, for the whole stack before the loop:
+  a transposed copy of every layer's float32 shards (2.7 GiB a device at 6.7B
+  on 8 H100s). Stacked along a new dimension, the shards need no layout of
+  their own; what is moved is the gathered 16-bit layer, one at a time.
   """
   if dim == 0:
     return jax.lax.all_gather(x, axis, axis=0, tiled=True)
@@ -129,7 +129,7 @@ def blocks_major(g: jax.Array, dim: int, axis: str = DATA) -> jax.Array:
 def quantize_blocks(x: jax.Array, block: int
                     ) -> tuple[jax.Array, jax.Array]:
   """``x`` as int8 blocks along its last dimension and their float32 scales
-  (``layout.Quantize``): ``x ~= q * scale`` per block.
+  (``Quantize``): ``x ~= q * scale`` per block.
 
   Args:
     x: a floating array of at least one dimension.

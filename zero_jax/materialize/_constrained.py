@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax.layout import DATA, LeafPlan, Quantize
+from zero_jax.layout import DATA, LeafPlan
+from zero_jax.layout._placement import Quantize
 from zero_jax.materialize._collectives import (dequantize_blocks,
                                                quantize_blocks)
 from zero_jax.materialize._hierarchical import SECONDARY

@@ -27,7 +27,8 @@ import functools
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from zero_jax.layout import REPLICA, LeafPlan, Quantize
+from zero_jax.layout import REPLICA, LeafPlan
+from zero_jax.layout._placement import Quantize
 from zero_jax.materialize._collectives import (blocks_major, cast,
                                                dequantize_blocks, like_of,
                                                major_gather, quantize_blocks,

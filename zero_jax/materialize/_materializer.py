@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from zero_jax.layout import LeafPlan, Materialize, Quantize
+from zero_jax.layout import LeafPlan, Materialize
+from zero_jax.layout._placement import Quantize
 from zero_jax.materialize import _collectives as collectives
 from zero_jax.materialize._constrained import (gather_constrained,
                                               use_constrained)

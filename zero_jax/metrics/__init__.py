@@ -21,18 +21,15 @@ Example::
         bar.update(step, loss=out["loss"], **rates)
 """
 
-from zero_jax.metrics._progress import JsonlLogger, ProgressBar, to_python
-from zero_jax.metrics._throughput import (PEAK_FLOPS, Throughput, mfu,
-                                          peak_flops,
+from zero_jax.metrics._progress import JsonlLogger, ProgressBar
+from zero_jax.metrics._throughput import (Throughput, mfu, peak_flops,
                                           transformer_flops_per_token)
 
 __all__ = [
     "JsonlLogger",
-    "PEAK_FLOPS",
     "ProgressBar",
     "Throughput",
     "mfu",
     "peak_flops",
-    "to_python",
     "transformer_flops_per_token",
 ]

@@ -6,14 +6,11 @@ peer (``compile_gspmd_gpt``, with the loss ``pinned_gpt_loss``)."""
 
 from zero_jax.models._compiled import (compile_gpt, compile_gspmd_gpt,
                                        gpt_shapes, pinned_gpt_loss)
-from zero_jax.models._gpt import (ATTENTIONS, BLOCK_PARAMS, GPT, GPTConfig,
-                                  block, layer_norm, make_loss_fn)
+from zero_jax.models._gpt import GPT, GPTConfig, block, make_loss_fn
 from zero_jax.models._loop_gpt import loop_gpt
 from zero_jax.models._xent import chunked_cross_entropy
 
 __all__ = [
-    "ATTENTIONS",
-    "BLOCK_PARAMS",
     "GPT",
     "GPTConfig",
     "block",
@@ -21,7 +18,6 @@ __all__ = [
     "compile_gpt",
     "compile_gspmd_gpt",
     "gpt_shapes",
-    "layer_norm",
     "loop_gpt",
     "make_loss_fn",
     "pinned_gpt_loss",

@@ -41,7 +41,8 @@ from flax import nnx
 from zero_jax import _compat
 from zero_jax.config import REMAT_POLICIES
 from zero_jax.layers import checkpoint_name, scan_layers
-from zero_jax.layout import MODEL, auto_model_size
+from zero_jax.layout import MODEL
+from zero_jax.layout._mesh import auto_model_size
 from zero_jax.models._xent import chunked_cross_entropy
 
 # Names of the stacked per-layer parameters, in the order the block uses them.

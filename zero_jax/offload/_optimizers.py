@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 
-from zero_jax.config import FusedForm, fused_form
+from zero_jax.config._ds_transforms import FusedForm, fused_form
 
 
 class Kind(enum.Enum):
@@ -45,7 +45,7 @@ class HostRule:
       the parameters that returns one; None: every leaf decays).
     nesterov: SGD's Nesterov momentum.
     deepspeed: a DeepSpeed optimizer's form (``zj.initialize``'s FusedAdam,
-      FusedLion, SGD or Adagrad: ``zero_jax.config.fused_form``); None:
+      FusedLion, SGD or Adagrad: ``zero_jax.config._ds_transforms``); None:
       optax's.
   """
 

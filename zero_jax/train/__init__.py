@@ -12,13 +12,10 @@ Later layers plug into the step through its hooks: step listeners
 (``set_abort_probe``).
 """
 
-from zero_jax.train._agreement import (ENV_NUM_PROCESSES, ENV_PROCESS_ID,
-                                       alone_at_exit)
 from zero_jax.train._engine import Engine
 from zero_jax.train._grads import Loss
-from zero_jax.train._hooks import (ENV_HEARTBEAT_FILE, add_step_listener,
-                                   set_abort_probe, set_last_checkpoint,
-                                   step_done)
+from zero_jax.train._hooks import (add_step_listener, set_abort_probe,
+                                   set_last_checkpoint, step_done)
 from zero_jax.train._from_config import initialize
 from zero_jax.train._step_plan import BatchLayout, StepPlan
 from zero_jax.train._loss_scale import LossScaleState
@@ -30,22 +27,18 @@ from zero_jax.train._offloaded import OnHost, Streamed
 
 __all__ = [
     "BatchLayout",
-    "ENV_HEARTBEAT_FILE",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
     "Engine",
-    "StepPlan",
     "Loss",
     "LossScaleState",
     "OnDevice",
     "OnHost",
     "StepFailedError",
     "StepFunction",
+    "StepPlan",
     "Streamed",
     "TrainState",
     "UpdateStrategy",
     "add_step_listener",
-    "alone_at_exit",
     "initialize",
     "jit_step",
     "set_abort_probe",

@@ -22,7 +22,8 @@ from typing import Any, Callable
 import jax
 
 from zero_jax._devices import compiled_memory, device_memory
-from zero_jax.config import AUTO_CANDIDATES, RematPolicy
+from zero_jax.config import RematPolicy
+from zero_jax.config._remat import AUTO_CANDIDATES
 from zero_jax.train._step_plan import StepPlan
 
 

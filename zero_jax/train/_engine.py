@@ -15,8 +15,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from zero_jax import layers
 from zero_jax.config import RematPolicy, ZeroConfig
+from zero_jax.layers._units import describe_units
 from zero_jax.layout import DATA, MODEL, REPLICA, Plan, decide, model_specs
 from zero_jax.train import _accumulate, _agreement, _init
 from zero_jax.train._grads import Loss
@@ -368,7 +368,7 @@ class Engine:
                  f"{n_rep} replicated (scalars, small or indivisible)")
     lines.extend(pl.describe())
     lines.extend(layout.update.describe(layout))
-    lines.extend(layers.describe_units(layout.units, self.units_seen,
+    lines.extend(describe_units(layout.units, self.units_seen,
                                        pl.stage, decided.layer_classes))
     if decided.delay_update:
       lines.append("delay_update: each step reads the parameters from "

@@ -46,8 +46,8 @@ def initialize(loss_fn: Callable[..., Any], params: Any,
   the config's ``optimizer`` section (and its learning rate from the
   ``scheduler`` section) or from the caller, not both. The config's
   ``"auto"`` values are filled in from ``known``, named as HuggingFace's
-  Trainer names the arguments it fills them from
-  (``zero_jax.config.AUTO_KEYWORDS``); a batch size the other two determine
+  Trainer names the arguments it fills them from (``AUTO_KEYWORDS`` of
+  ``zero_jax/config/_ds_auto.py``); a batch size the other two determine
   is derived on the mesh's devices (``train = micro x accum x devices``).
   Its warnings (the config's keys without effect, ...) point at the line
   that called it.

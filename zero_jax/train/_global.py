@@ -13,8 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import jax.numpy as jnp
 
-from zero_jax import layers, materialize
-from zero_jax.layout import Materialize, flat
+from zero_jax import materialize
+from zero_jax.layers._intercept import intercepting
+from zero_jax.layout import Materialize
+from zero_jax.layout._plan import flat
+from zero_jax.materialize._collectives import cast
+from zero_jax.materialize._context import handing_over
+from zero_jax.materialize._materializer import HandedParam
 from zero_jax.train import _accumulate
 from zero_jax.train._grads import Loss
 
@@ -64,7 +69,7 @@ def global_loss(layout: StepPlan, loss: Loss, seen: dict[str, int] | None = None
         layer_classes=decided.layer_classes,
         partition_activations=decided.partition_activations,
         prefetch=layout.prefetch, batch_sharding=layout.batch.sharding)
-    with materialize.handing_over(context), layers.intercepting(context):
+    with handing_over(context), intercepting(context):
       out = loss(full, batch, key)
     if seen is not None:
       seen.update(context.seen)
@@ -174,7 +179,7 @@ def loss_and_grads(layout: StepPlan, loss: Loss, params: Any,
           leaves, jax.tree.leaves(wrt), jax.tree.leaves(source), handed,
           own, hows, stands_in):
         if not h:
-          full.append(materialize.cast(w, pl.compute_dtype))
+          full.append(cast(w, pl.compute_dtype))
           continue
         # (Cast on the shard, copied to the device first from host memory;
         # its gradient reduce-scattered in the reduce dtype. Gathered here
@@ -186,7 +191,7 @@ def loss_and_grads(layout: StepPlan, loss: Loss, params: Any,
                         lp, how.mesh, w, src, how.compute_dtype,
                         how.reduce_dtype, whole=o, to_host=how.grad_to_host,
                         quantize=how.quantize, by_group=False))
-        made.append(materialize.HandedParam(full[-1], lp, w, src, how))
+        made.append(HandedParam(full[-1], lp, w, src, how))
       value, aux = call(tree.unflatten(full), batch, key, made)
       return (value if scale is None else value * scale), (value, aux)
 

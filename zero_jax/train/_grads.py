@@ -19,9 +19,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import layers, materialize
-from zero_jax.layout import (ComputeCopy, LeafPlan, Materialize,
-                             Placement, flat, map_leaves)
+from zero_jax import materialize
+from zero_jax.layers._intercept import intercepting
+from zero_jax.layout import ComputeCopy, LeafPlan, Materialize, Placement
+from zero_jax.layout._plan import flat, map_leaves
+from zero_jax.materialize import _collectives as collectives
+from zero_jax.materialize._context import handing_over
+from zero_jax.materialize._materializer import HandedParam
 from zero_jax.train import _checks
 
 if TYPE_CHECKING:  # (the plan's module imports this one)
@@ -63,7 +67,7 @@ class GradsStrategy(Protocol):
     update_on="host") and what forward reads (``source``)."""
 
   def full_params(self, wrt: Any, source: Any
-                  ) -> tuple[Any, list[materialize.HandedParam]]:
+                  ) -> tuple[Any, list[HandedParam]]:
     """The parameters ``loss_fn`` gets, and the sharded ones among them
     for the ``LossContext``."""
 
@@ -94,23 +98,23 @@ class _Local:
     return jax.tree.map(lambda x: _varying(x, self.axes), source)
 
   def full_params(self, wrt: Any, source: Any
-                  ) -> tuple[Any, list[materialize.HandedParam]]:
+                  ) -> tuple[Any, list[HandedParam]]:
     """The parameters ``loss_fn`` gets, and the sharded ones among them
     for the ``LossContext``."""
     del source
     cd = self.placement.compute_dtype
-    return jax.tree.map(lambda x: materialize.cast(x, cd), wrt), []
+    return jax.tree.map(lambda x: collectives.cast(x, cd), wrt), []
 
   def zeros(self, lp: LeafPlan, w: jax.Array) -> jax.Array:
     """The micro-batch accumulator of one gradient leaf."""
-    return _varying(materialize.zeros(lp, w.shape, jnp.float32), self.axes)
+    return _varying(collectives.zeros(lp, w.shape, jnp.float32), self.axes)
 
   def finish(self, g: Any) -> Any:
     """The summed gradients reduced into the layout of the update."""
     # (In the host update's 16-bit dtype where it takes one: the sums are
     # in it already, so nothing is rounded.)
     pl = self.placement
-    return materialize.reduce_tree(self.plans, g, pl.reduce_dtype,
+    return collectives.reduce_tree(self.plans, g, pl.reduce_dtype,
                                    pl.host_grad_dtype or jnp.float32,
                                    pl.quantize)
 
@@ -156,7 +160,7 @@ class _Sharded:
       # reduce-scatter's own: its sums cross as they are, half the bytes,
       # nothing rounded (micro-batches still sum in the float32
       # accumulator).
-      z = materialize.zeros(lp, lp.local_shape(self.n),
+      z = collectives.zeros(lp, lp.local_shape(self.n),
                             pl.host_grad_dtype or jnp.float32)
       if to_host:
         z = jax.device_put(z, jax.memory.Space.Host)
@@ -171,25 +175,25 @@ class _Sharded:
     return jax.tree.unflatten(jax.tree.structure(whole), out)
 
   def full_params(self, wrt: Any, source: Any
-                  ) -> tuple[Any, list[materialize.HandedParam]]:
+                  ) -> tuple[Any, list[HandedParam]]:
     pl = self.placement
     full, handed = [], []
     for lp, w, src, how in zip(flat(self.plans), jax.tree.leaves(wrt),
                                jax.tree.leaves(source),
                                self._materializers()):
       if not lp.sharded:
-        full.append(materialize.cast(w, pl.compute_dtype))
+        full.append(collectives.cast(w, pl.compute_dtype))
         continue
       if pl.materialize is Materialize.GATHER:
         src = None
       elif pl.materialize is Materialize.SCATTER:
         src = _varying(src, self.axes)
-      handed.append(materialize.HandedParam.make(lp, w, src, how))
+      handed.append(HandedParam.make(lp, w, src, how))
       full.append(handed[-1].array)
     return jax.tree.unflatten(jax.tree.structure(wrt), full), handed
 
   def zeros(self, lp: LeafPlan, w: jax.Array) -> jax.Array:
-    z = materialize.zeros(lp, w.shape, jnp.float32)
+    z = collectives.zeros(lp, w.shape, jnp.float32)
     return (jax.lax.pcast(z, lp.axes, to="varying") if lp.sharded else
             _varying(z, self.axes))
 
@@ -199,7 +203,7 @@ class _Sharded:
     # float32 sum, or a replicated leaf's, is rounded once.)
     out = self.placement.host_grad_dtype or jnp.float32
     return map_leaves(lambda lp, x: x.astype(out) if lp.sharded else
-                      materialize.psum_leaf(lp, x.astype(jnp.float32),
+                      collectives.psum_leaf(lp, x.astype(jnp.float32),
                                             self.axes).astype(out),
                       self.plans, g)
 
@@ -283,7 +287,7 @@ def loss_and_grads(layout: StepPlan, loss: Loss, params: Any,
             units=layout.units, layer_classes=decided.layer_classes,
             partition_activations=decided.partition_activations,
             prefetch=layout.prefetch)
-        with materialize.handing_over(context), layers.intercepting(context):
+        with handing_over(context), intercepting(context):
           out = loss_of(full, batch, key)
         if seen is not None:
           seen.update(context.seen)

@@ -19,9 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax import materialize, offload
+from zero_jax import offload
 from zero_jax.layout import (DATA, MODEL, ComputeCopy, GatherFrom, LeafPlan,
-                             UpdateKind, flat, map_leaves)
+                             UpdateKind)
+from zero_jax.layout._plan import flat, map_leaves
+from zero_jax.materialize._collectives import gather_replicated
 from zero_jax.train import _init
 from zero_jax.train._state import TrainState, device_part, on_host
 from zero_jax.train._update import (OnDevice, StepOutputs,
@@ -131,11 +133,11 @@ class Streamed(OnDevice):
     if compute is not None:
       compute_params = jax.tree.unflatten(jax.tree.structure(master), compute)
       if pl.compute_copy is ComputeCopy.REPLICATED:
-        compute_params = materialize.gather_replicated(layout.param_plan,
+        compute_params = gather_replicated(layout.param_plan,
                                                        compute_params)
     elif pl.master_regathered:
       # fp32: the master replicated
-      master = materialize.gather_replicated(layout.param_plan, master)
+      master = gather_replicated(layout.param_plan, master)
     return TrainState(step=jnp.zeros((), jnp.int32), params=master,
                       opt_state=opt_state,
                       rng=jax.random.PRNGKey(layout.decisions.seed),

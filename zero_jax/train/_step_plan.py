@@ -28,8 +28,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zero_jax import layers, offload
 from zero_jax._paths import path_keys, path_str
 from zero_jax.config import RematPolicy
+from zero_jax.layers._units import Unit
 from zero_jax.layout import (DATA, MODEL, ComputeCopy, Decisions, Placement,
-                             Plan, Prefetch, UpdateKind, flat, layout_mesh)
+                             Plan, Prefetch, UpdateKind)
+from zero_jax.layout._mesh import layout_mesh
+from zero_jax.layout._plan import flat
+from zero_jax.offload._host import host_devices
+from zero_jax.offload._stream import SLICE_BYTES
 from zero_jax.train import _grads, _init, _loss_scale, _offloaded, _update
 from zero_jax.train._state import TrainState, on_host
 
@@ -129,7 +134,7 @@ class BatchLayout:
 
 
 def describe_prefetch(decisions: Decisions,
-                      units: tuple[layers.Unit, ...] = ()) -> str:
+                      units: tuple[Unit, ...] = ()) -> str:
   """``Engine.describe``'s line on the prefetch decision. Prefetch acts on
   ``scan_layers`` only: where the model has repeated blocks
   (``layers.find_units``: called in a loop), the line says that they are
@@ -214,7 +219,7 @@ class StepPlan:
   opt_plan: Plan
   treedef: Any
   param_dtypes: tuple[np.dtype, ...]
-  units: tuple[layers.Unit, ...]
+  units: tuple[Unit, ...]
   state_shardings: TrainState
   state_shapes: TrainState | None
   device_params: Any
@@ -335,7 +340,7 @@ class StepPlan:
       # slice, never copied to the device whole.
       streamer = offload.Streamer(tx, master, flat(param_plan.leaves),
                                   flat(opt_plan.leaves), mesh.shape[DATA],
-                                  offload.SLICE_BYTES)
+                                  SLICE_BYTES)
     state_shardings = TrainState(
         step=replicated, params=params_sh, opt_state=opt_sh, rng=replicated,
         compute_params=compute_sh,
@@ -402,20 +407,20 @@ def _host_update(tx: optax.GradientTransformation, master: Any,
           f"(this run has {jax.process_count()} processes): use "
           "offload_optimizer='host' across processes")
     return offload.NvmeUpdate(tx, rule, master,
-                              offload.host_devices(mesh)[0],
+                              host_devices(mesh)[0],
                               decisions.offload.nvme_path,
                               decisions.offload.nvme,
                               decisions.delay_update)
   if mirrored is None and rule is not None:
     return offload.FusedUpdate(tx, rule, master,
-                               offload.host_devices(mesh)[0],
+                               host_devices(mesh)[0],
                                decisions.delay_update)
   if mirrored is not None:
     specs = [jax.tree.map(lambda s: s.spec, p.shardings) for p in mirrored]
     if rule is not None:
       return offload.MirroredFused(tx, rule, master, mesh, *specs)
     return offload.MirroredUpdate(tx, master, mesh, *specs)
-  host = offload.HostUpdate(tx, master, offload.host_devices(mesh))
+  host = offload.HostUpdate(tx, master, host_devices(mesh))
   if host.k == 1 and (os.cpu_count() or 1) > 1:
     warnings.warn(
         "update_on='host' has 1 CPU device, so the update may use one "

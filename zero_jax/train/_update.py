@@ -25,9 +25,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import layers, materialize
+from zero_jax import layers
 from zero_jax.layout import (DATA, MODEL, ComputeCopy, Prefetch, UpdateKind,
-                             flat, plan_leaf)
+                             plan_leaf)
+from zero_jax.layout._plan import flat
+from zero_jax.materialize._collectives import gather_replicated
 from zero_jax.train import _global, _init, _loss_scale
 from zero_jax.train._state import TrainState, compute_copy, on_device
 
@@ -219,12 +221,12 @@ def new_state(layout: StepPlan, state: TrainState, master: Any, opt_state: Any,
   pl = layout.placement
   compute_params = None
   if pl.compute_copy is ComputeCopy.REPLICATED:
-    compute_params = materialize.gather_replicated(
+    compute_params = gather_replicated(
         layout.param_plan, device_master, pl.compute_dtype)
   elif pl.compute_copy is ComputeCopy.SHARDED:
     compute_params = compute_copy(pl, device_master)
   elif pl.master_regathered:
-    master = materialize.gather_replicated(layout.param_plan, device_master)
+    master = gather_replicated(layout.param_plan, device_master)
   lr = injected_learning_rate(opt_state)
   if lr is not None:
     # (Offloaded: the scalar comes up from host memory with the metrics.)
