@@ -555,3 +555,24 @@ def test_only_the_decision_pass_reads_the_config():
         bad.append(f"{_rel(path)}:{node.lineno}: {ast.unparse(node)}")
   assert not bad, ("read the decisions (zero_jax.layout.decide), not the "
                    f"config: {bad}")
+
+
+def test_the_train_step_is_typed_where_it_matters():
+  # The step plan is what every train function takes: each takes it typed
+  # (StepPlan), and its strategies are protocols, not Any.
+  untyped = []
+  for path in sorted((_PACKAGE / "train").glob("*.py")):
+    for node in ast.walk(_tree(path)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = node.args
+        untyped += [f"{_rel(path)}:{node.lineno} {arg.arg}"
+                    for arg in a.posonlyargs + a.args + a.kwonlyargs
+                    if arg.arg in ("layout", "plan") and arg.annotation is None]
+  assert not untyped, untyped
+  tree = _tree(_PACKAGE / "train" / "_step_plan.py")
+  plan = next(n for n in ast.walk(tree)
+              if isinstance(n, ast.ClassDef) and n.name == "StepPlan")
+  slots = {n.target.id: ast.unparse(n.annotation) for n in plan.body
+           if isinstance(n, ast.AnnAssign)}
+  assert slots["grads"] == "_grads.GradsStrategy", slots
+  assert slots["update"] == "_update.UpdateStrategy", slots

@@ -29,7 +29,6 @@ from tests.analysis import _shared
 from tests._gpu import compiles_for_gpus
 from zero_jax import analysis
 from zero_jax import models
-from zero_jax import offload
 from zero_jax.analysis import param_count
 from zero_jax.estimate import main
 from zero_jax.models import compile_gpt
@@ -195,7 +194,7 @@ def _wide(loss_scope="per_device", **options):
   per-device step's unless asked: the global one's offload is
   test_the_global_loss_offloads_as_the_per_device_step's.)"""
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(offload, "SLICE_BYTES", _SLICE_BYTES)
+    patch.setattr("zero_jax.offload._stream.SLICE_BYTES", _SLICE_BYTES)
     return compile_gpt("h100", 1, 3, **_WIDE, **options,
                        overrides={"loss_scope": loss_scope})
 

@@ -212,7 +212,7 @@ _STREAM_CASES = [
                              f"{k}={v}" for k, v in c.items()))
 def test_streamed_update_equals_the_update_without_offload(opt, config,
                                                            monkeypatch):
-  monkeypatch.setattr(offload, "SLICE_BYTES", 1024)
+  monkeypatch.setattr("zero_jax.offload._stream.SLICE_BYTES", 1024)
   # fp32: three steps. 16-bit compute: one step, because a last-bit
   # difference in the fp32 master (XLA fuses a slice's update differently
   # from the whole leaf's) can flip a 16-bit rounding in the next forward.
@@ -416,7 +416,7 @@ def test_host_update_layout_warnings_and_limits(monkeypatch):
   assert host.replicated_bytes([jnp.zeros((6, 3))]) == 72
   config = zj.ZeroConfig(offload_optimizer="host", update_on="host")
   # One CPU device (the default beside a GPU): a warning names the fix.
-  monkeypatch.setattr(offload, "host_devices",
+  monkeypatch.setattr("zero_jax.offload._host.host_devices",
                       lambda mesh: jax.devices()[:1])
   engine = zj.Engine(m.mlp_loss, optax.adam(1e-3), config,
                      zj.make_mesh(num_devices=8))

@@ -33,7 +33,6 @@ from jax.sharding import PartitionSpec as P
 import zero_jax as zj
 from tests import _models as m
 from zero_jax import layout as zl
-from zero_jax import offload as offload_module
 from tests._gpu import compiles_for_gpus
 from tests._jaxpr import copies_to, layer_loops
 from tests.analysis._shared import compile_gpt
@@ -239,7 +238,7 @@ def test_global_loss_trains_as_one_device_with_offloaded_parameters(
   update streamed on the device, its slices cut small here so that every
   leaf streams, or on the host) it sends each layer's gradient shards back
   to the host as backward makes them, as the per-device step does."""
-  monkeypatch.setattr(offload_module, "SLICE_BYTES", 1024)
+  monkeypatch.setattr("zero_jax.offload._stream.SLICE_BYTES", 1024)
   accum = offload.get("grad_accum_steps", 1)
   engine, params, batches = _accumulating(
       loss, 3, "data", _count if accum > 1 else None,
@@ -410,7 +409,7 @@ def test_compiled_for_h100s_offloaded_parameters_move_what_per_device_ones_do(
   experiments/results/stage3_global_small_h100_py312.md; up to 1.11x at
   6.7B, stage3_global_offload_h100.md); the bound leaves room for that
   here, and no more."""
-  monkeypatch.setattr(offload_module, "SLICE_BYTES", 256 << 10)
+  monkeypatch.setattr("zero_jax.offload._stream.SLICE_BYTES", 256 << 10)
   kw = dict(layers=4, hidden=256, heads=4, vocab=4096, seq_len=256,
             micro_batch=2, attention="auto", reduce_dtype="bfloat16")
   _, per_device = compile_gpt("h100", 8, 3, overrides={

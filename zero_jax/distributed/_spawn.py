@@ -142,7 +142,7 @@ RUNNER = (
     "  ended = e\n"
     "if 'jax' in sys.modules:\n"
     "  try:\n"
-    "    from zero_jax.train import alone_at_exit\n"
+    "    from zero_jax.train._agreement import alone_at_exit\n"
     "  except ImportError:\n"
     "    alone_at_exit = lambda: None\n"
     "  error = alone_at_exit()\n"

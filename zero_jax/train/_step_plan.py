@@ -33,8 +33,8 @@ from zero_jax.layout import (DATA, MODEL, ComputeCopy, Decisions, Placement,
                              Plan, Prefetch, UpdateKind)
 from zero_jax.layout._mesh import layout_mesh
 from zero_jax.layout._plan import flat
-from zero_jax.offload._host import host_devices
-from zero_jax.offload._stream import SLICE_BYTES
+# (Modules, not names: tests shrink the slices and fake the host's devices.)
+from zero_jax.offload import _host, _stream
 from zero_jax.train import _grads, _init, _loss_scale, _offloaded, _update
 from zero_jax.train._state import TrainState, on_host
 
@@ -340,7 +340,7 @@ class StepPlan:
       # slice, never copied to the device whole.
       streamer = offload.Streamer(tx, master, flat(param_plan.leaves),
                                   flat(opt_plan.leaves), mesh.shape[DATA],
-                                  SLICE_BYTES)
+                                  _stream.SLICE_BYTES)
     state_shardings = TrainState(
         step=replicated, params=params_sh, opt_state=opt_sh, rng=replicated,
         compute_params=compute_sh,
@@ -407,20 +407,20 @@ def _host_update(tx: optax.GradientTransformation, master: Any,
           f"(this run has {jax.process_count()} processes): use "
           "offload_optimizer='host' across processes")
     return offload.NvmeUpdate(tx, rule, master,
-                              host_devices(mesh)[0],
+                              _host.host_devices(mesh)[0],
                               decisions.offload.nvme_path,
                               decisions.offload.nvme,
                               decisions.delay_update)
   if mirrored is None and rule is not None:
     return offload.FusedUpdate(tx, rule, master,
-                               host_devices(mesh)[0],
+                               _host.host_devices(mesh)[0],
                                decisions.delay_update)
   if mirrored is not None:
     specs = [jax.tree.map(lambda s: s.spec, p.shardings) for p in mirrored]
     if rule is not None:
       return offload.MirroredFused(tx, rule, master, mesh, *specs)
     return offload.MirroredUpdate(tx, master, mesh, *specs)
-  host = offload.HostUpdate(tx, master, host_devices(mesh))
+  host = offload.HostUpdate(tx, master, _host.host_devices(mesh))
   if host.k == 1 and (os.cpu_count() or 1) > 1:
     warnings.warn(
         "update_on='host' has 1 CPU device, so the update may use one "
