@@ -77,7 +77,8 @@ def test_unknown_keys_and_wrong_sections_name_the_fix():
                      r"field\(s\) \['tier'\]; valid fields are"):
     zj.ZeroConfig(offload={"tier": "host"})
   with pytest.raises(ValueError, match=r"ZeroConfig.offload must be an "
-                     r"instance of Offload or a mapping of its fields, got 'host'"):
+                     r"instance of Offload or a mapping of its fields, "
+                     r"got 'host'"):
     zj.ZeroConfig(offload="host")
 
 

@@ -18,7 +18,7 @@ import zero_jax as zj
 from zero_jax.analysis import collectives
 from zero_jax.layout import DATA, MODEL
 from zero_jax.models import GPT, GPTConfig, make_loss_fn
-from zero_jax.models._gpt import causal_self_attention
+from zero_jax.models._attention import causal_self_attention
 
 # Every parameter's split over "model" (Megatron-LM): column-parallel QKV and
 # MLP-in, row-parallel attention-out and MLP-out, vocabulary-parallel

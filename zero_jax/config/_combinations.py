@@ -1,5 +1,7 @@
-"""Which ``ZeroConfig`` fields contradict each other (each already valid on
-its own): the checks of its construction that read more than one field."""
+"""Which ``ZeroConfig`` fields contradict each other across its sections
+(each field already valid on its own, and each section's own rules
+checked by the section): the checks of its construction that read fields
+of more than one section."""
 
 from __future__ import annotations
 
@@ -69,16 +71,6 @@ def check_combinations(config: Any) -> None:
         "ZeroConfig.quantized_gradients needs stage >= 1: stage 0 "
         "all-reduces whole gradients, which qgZ does not quantize; use "
         "stage 1-3, or quantized_gradients=False.")
-  if config.delay_update and config.update_on != "host":
-    raise ValueError("ZeroConfig.delay_update overlaps the host's update "
-                     "with the next step: set update_on='host' (and "
-                     "offload_optimizer='host') too")
-  _check_nvme(config)
-  if config.update_on == "host" and not (config.offload_optimizer
-                                       or config.offload_params):
-    raise ValueError("ZeroConfig.update_on='host' runs the update where "
-                     "offloaded state lives: set offload_optimizer='host' "
-                     "or offload_params='host' too")
 
 
 def _check_global(config: Any) -> None:
@@ -122,21 +114,3 @@ def _check_global(config: Any) -> None:
         "meaning, or use loss_scope='per_device' (the loss averaged over "
         "the devices' slices of the batch, DeepSpeed's meaning).")
 
-
-def _check_nvme(config: Any) -> None:
-  """Raises where ``offload_optimizer="nvme"`` and its fields disagree."""
-  nvme = config.offload_optimizer == "nvme"
-  if nvme and config.nvme_path is None:
-    raise ValueError(
-        "ZeroConfig.offload_optimizer='nvme' (NVMe offload) keeps the "
-        "optimizer state in files; set nvme_path to a directory on a fast "
-        "local disk")
-  if config.nvme_path is not None and not nvme:
-    raise ValueError(
-        f"ZeroConfig.nvme_path={config.nvme_path!r} is read only with "
-        f"offload_optimizer='nvme' (got {config.offload_optimizer!r}): set "
-        "offload_optimizer='nvme', or leave nvme_path None")
-  if nvme and config.update_on != "host":
-    raise ValueError(
-        "ZeroConfig.offload_optimizer='nvme' updates the state on the host, "
-        "a slice at a time between disk and RAM: set update_on='host' too")

@@ -261,8 +261,8 @@ def _prefetch(asked: bool | str, placement: Placement,
     return Prefetch.AUTO, on
   if asked == "auto":
     return Prefetch.OFF, (
-        "prefetch (auto): off; it needs stage 3 gathering from the float32 master, "
-        "or stage 2 with a compute_dtype, no offload, one micro-batch a "
+        "prefetch (auto): off; it needs stage 3 gathering from the "
+        "float32 master, or stage 2 with a compute_dtype, no offload, one micro-batch a "
         "step and loss_scope='per_device'; remat 'full', no Pa, hpZ or "
         "'model' axis, and more than one device")
   return Prefetch.OFF, "prefetch (False): off"

@@ -165,11 +165,16 @@ def pinned_gpt_loss(graphdef: Any, mesh: jax.sharding.Mesh, *,
     gpt = model.config
     tokens = batch["tokens"]
     inputs = tokens[:, :-1]
-    h = pin(model.tok_emb[...][inputs] + model.pos_emb[...][:inputs.shape[1]])
+    h = model.tok_emb[...][inputs]
+    if model.pos_emb is not None:
+      h = h + model.pos_emb[...][:inputs.shape[1]]
+    h = pin(h)
 
     def body(h, layer):
       return pin(block(h, layer, n_heads=gpt.n_heads,
-                       attention=attention or gpt.attention)), None
+                       attention=attention or gpt.attention,
+                       kv_heads=gpt.n_kv_heads,
+                       rope_theta=gpt.rope_theta if gpt.rope else None)), None
 
     h, _ = scan_layers(body, h, model.blocks.stacked(),
                        remat=remat if remat is not None else gpt.remat)

@@ -1,7 +1,9 @@
 """A small GPT-style decoder in Flax NNX, for demos and tests of the engine.
 
 In the spirit of nanoGPT: byte-level tokens, learned positions, pre-LN blocks
-with causal self-attention and a GELU MLP, an untied output head.
+with causal self-attention and a GELU MLP, an untied output head. Optionally
+Llama's attention: grouped-query heads (``n_kv_heads``) and rotary positions
+(``rope``) in place of the learned ones.
 
 The transformer blocks are *stacked*: each block parameter is a single
 ``nnx.Param`` whose leading dimension is the layer, and the blocks run as one
@@ -14,8 +16,10 @@ metadata (``nnx.get_partition_spec``) splits it over the mesh axis
 ``"model"``: QKV and MLP-in column-parallel, attention-out and MLP-out
 row-parallel, embedding and head by vocabulary; the layer axis, norms,
 position embedding and row-parallel biases whole. QKV's columns are packed
-head-major, ``(n_heads, 3, head_dim)``, so that M ranks (M dividing
-``n_heads``) each hold whole heads: attention needs no resharding. Under
+by key/value head, ``(n_kv_heads, group + 2, head_dim)`` (each KV head's
+``group = n_heads / n_kv_heads`` query heads, then its key and its value;
+``(n_heads, 3, head_dim)`` without grouping), so that M ranks (M dividing
+``n_kv_heads``) each hold whole groups: attention needs no resharding. Under
 ``jax.set_mesh`` of a mesh with a ``model`` axis the parameters are made so
 split; elsewhere the metadata is only carried.
 
@@ -38,11 +42,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zero_jax import _compat
 from zero_jax.config import REMAT_POLICIES
 from zero_jax.layers import checkpoint_name, scan_layers
 from zero_jax.layout import MODEL
-from zero_jax.layout._mesh import auto_model_size
+from zero_jax.models._attention import causal_self_attention
 from zero_jax.models._xent import chunked_cross_entropy
 
 # Names of the stacked per-layer parameters, in the order the block uses them.
@@ -84,6 +87,15 @@ class GPTConfig:
       ``zero_jax.REMAT_POLICIES``); None (the default): the engine's
       ``ZeroConfig.remat``, ``"full"`` outside an engine. Set it to train
       without an engine (plain ``jax.jit``) as an engine would.
+    n_kv_heads: key/value heads of grouped-query attention (Llama 3's 8 of
+      32); each serves ``n_heads / n_kv_heads`` query heads. None (the
+      default): as many as ``n_heads`` (multi-head attention, the
+      parameters of the model without this field).
+    rope: rotary position embeddings on queries and keys (RoFormer, as
+      Llama), with no learned position embedding; False (the default):
+      learned positions added to the token embedding. Needs an even head
+      size.
+    rope_theta: the rotary base (Llama 3: 500000).
   """
 
   vocab_size: int = 256
@@ -96,6 +108,9 @@ class GPTConfig:
   attention: str = "auto"
   loss_chunk: int | None = None
   remat: str | None = None
+  n_kv_heads: int | None = None
+  rope: bool = False
+  rope_theta: float = 500000.0
 
   def __post_init__(self):
     if self.remat == "auto":
@@ -118,6 +133,23 @@ class GPTConfig:
           f"GPTConfig.d_model ({self.d_model}) must be divisible by n_heads "
           f"({self.n_heads}) so every head gets d_model // n_heads features; "
           f"e.g. use n_heads={math.gcd(self.d_model, self.n_heads)}.")
+    kv = self.kv_heads
+    if kv < 1 or self.n_heads % kv:
+      fits = [k for k in range(1, min(max(kv, 1), self.n_heads) + 1)
+              if self.n_heads % k == 0]
+      raise ValueError(
+          f"GPTConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads "
+          f"({self.n_heads}): each key/value head serves the same number of "
+          f"query heads; e.g. n_kv_heads={fits[-1]}, or None for one per "
+          "query head.")
+    if self.rope and (self.d_model // self.n_heads) % 2:
+      raise ValueError(
+          f"GPTConfig.rope rotates pairs of features, but the head size "
+          f"d_model // n_heads = {self.d_model // self.n_heads} is odd: use "
+          "an even head size, or rope=False.")
+    if not self.rope_theta > 0:
+      raise ValueError(f"GPTConfig.rope_theta must be > 0, got "
+                       f"{self.rope_theta}")
     if self.loss_chunk is not None and self.loss_chunk < 1:
       raise ValueError(f"GPTConfig.loss_chunk must be >= 1 or None, got "
                        f"{self.loss_chunk}")
@@ -128,9 +160,32 @@ class GPTConfig:
                        f"{self.dropout}")
 
   @property
+  def kv_heads(self) -> int:
+    """The key/value heads actually used."""
+    return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+  @property
   def ff_dim(self) -> int:
     """The MLP hidden width actually used."""
     return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+
+def llama3_8b(seq_len: int = 8192, **overrides) -> GPTConfig:
+  """The reference GPT in Llama 3 8B's shape: width 4096, 32 layers, 32
+  query heads over 8 key/value heads, rotary positions (base 500000) and a
+  vocabulary of 128256, with Llama 3 8B's 8.03B parameters and its
+  matmul FLOPs per token. Its MLP is GELU's two matrices of 21504 (the
+  parameters of SwiGLU's three of 14336) and its norms LayerNorm: the
+  memory and communication of the real model, not its weights.
+
+  Args:
+    seq_len: the longest sequence.
+    **overrides: other ``GPTConfig`` fields (``attention``, ``loss_chunk``).
+  """
+  return GPTConfig(**{
+      "vocab_size": 128256, "seq_len": seq_len, "d_model": 4096,
+      "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "d_ff": 21504,
+      "rope": True, **overrides})
 
 
 # ----------------------------------------------------------------- pure ops
@@ -153,86 +208,10 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
-def cudnn_supported(q: jax.Array) -> bool:
-  """Whether cuDNN's flash attention takes heads like ``q`` (B, T, H, hd)."""
-  hd = q.shape[-1]
-  return (q.dtype in (jnp.bfloat16, jnp.float16) and hd % 8 == 0 and
-          hd <= 128)
-
-
-def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """Explicit causal attention of (B, T, H, hd) heads, float32 softmax."""
-  t, hd = q.shape[1], q.shape[-1]
-  # (B, T, H, hd) -> (B, H, T, hd)
-  q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-  scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(hd)
-  mask = jnp.tril(jnp.ones((t, t), dtype=bool))
-  # Softmax in float32 so that low-precision compute stays stable.
-  scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bhqk,bhkd->bhqd", probs, v).transpose(0, 2, 1, 3)
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
-            attention: str) -> jax.Array:
-  """Causal attention of (B, T, H, hd) heads by the named implementation."""
-  if attention == "einsum":
-    return _einsum_attention(q, k, v)
-  if attention == "fused":
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  cudnn = lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, implementation="cudnn")
-  if auto_model_size() > 1:
-    # JAX's cuDNN attention cannot be partitioned over an automatic axis
-    # inside the engine's shard_map (its partitioner fails on the sharding
-    # it is handed, jax 0.10-0.12): the einsum, which the compiler splits
-    # by heads.
-    if attention == "cudnn":
-      raise ValueError(
-          "GPTConfig.attention='cudnn' cannot run with the heads split over "
-          f"the mesh's '{MODEL}' axis (JAX's cuDNN attention is not "
-          "partitioned there): use attention='auto' (the einsum under "
-          "tensor parallelism) or 'einsum'")
-    return _einsum_attention(q, k, v)
-  if attention == "cudnn":
-    if not _compat.cudnn_detected():
-      raise RuntimeError(
-          "GPTConfig.attention='cudnn' needs cuDNN, which this JAX does "
-          "not detect (JAX's CUDA plugin is not installed): install "
-          "jax[cuda12] on a Linux machine, or use attention='auto', which "
-          "takes cuDNN only in programs for NVIDIA GPUs")
-    return cudnn(q, k, v)
-  # Without the CUDA plugin no program here is for an NVIDIA GPU, and
-  # tracing the cuDNN branch below would raise (cuDNN is not detected):
-  # the einsum alone.
-  if not cudnn_supported(q) or not _compat.cudnn_detected():
-    return _einsum_attention(q, k, v)
-  # Chosen when the program is lowered: cuDNN in a program for an NVIDIA
-  # GPU (a compile-only one too), the einsum in any other.
-  return jax.lax.platform_dependent(q, k, v, cuda=cudnn,
-                                    default=_einsum_attention)
-
-
-def causal_self_attention(x: jax.Array, qkv_w: jax.Array,
-                          out_w: jax.Array, out_b: jax.Array,
-                          n_heads: int, attention: str = "einsum"
-                          ) -> jax.Array:
-  """Multi-head causal self-attention of ``x`` (B, T, d) -> (B, T, d), by
-  ``GPTConfig.attention``'s implementation. ``qkv_w``'s columns are
-  ``(n_heads, 3, head_dim)``: a model rank's contiguous share of them (its
-  ``n_heads / M`` heads) and of ``out_w``'s rows gives its partial sum."""
-  b, t, _ = x.shape
-  # No QKV bias: a key bias adds the same q.b to every score of a row, which
-  # softmax ignores, so its true gradient is zero and Adam-like optimizers
-  # would amplify pure rounding noise into it.
-  qkv = (x @ qkv_w).reshape(b, t, n_heads, 3, -1)
-  q, k, v = (qkv[:, :, :, i] for i in range(3))       # each (B, T, H, hd)
-  return _attend(q, k, v, attention).reshape(b, t, -1) @ out_w + out_b
-
-
 def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
           dropout_rate: float = 0.0, rng: jax.Array | None = None,
-          attention: str = "einsum") -> jax.Array:
+          attention: str = "einsum", kv_heads: int | None = None,
+          rope_theta: float | None = None) -> jax.Array:
   """One pre-LN transformer block: ``h + attn(ln(h))``, then ``+ mlp(ln(.))``.
 
   A pure function of the hidden state and *one* layer's parameters (a dict
@@ -246,6 +225,9 @@ def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
     dropout_rate: residual dropout rate.
     rng: PRNG key for dropout, or None for no dropout.
     attention: ``GPTConfig.attention``.
+    kv_heads: key/value heads (``GPTConfig.n_kv_heads``; None: n_heads).
+    rope_theta: the rotary base with ``GPTConfig.rope``; None: no rotary
+      positions.
 
   Returns:
     The new hidden state (B, T, d).
@@ -257,7 +239,8 @@ def block(h: jax.Array, layer_params: dict[str, jax.Array], *, n_heads: int,
   # remat_names=("attn_output", "mlp_hidden"))).
   x = checkpoint_name(causal_self_attention(x, p["attn_qkv"], p["attn_out"],
                                             p["attn_out_bias"], n_heads,
-                                            attention),
+                                            attention, kv_heads=kv_heads,
+                                            rope_theta=rope_theta),
                       "attn_output")
   h = h + dropout(x, dropout_rate, k_attn)
   x = layer_norm(h, p["ln2_scale"], p["ln2_bias"])
@@ -284,7 +267,8 @@ class Blocks(nnx.Module):
   """The stacked parameters of all ``n_layers`` transformer blocks.
 
   Each attribute named in ``BLOCK_PARAMS`` is one ``nnx.Param`` with a
-  leading layer dimension, e.g. ``attn_qkv`` is ``(n_layers, d, 3 d)``.
+  leading layer dimension, e.g. ``attn_qkv`` is ``(n_layers, d, 3 d)``
+  (``(n_layers, d, (n_heads + 2 n_kv_heads) head_dim)`` grouped).
   """
 
   def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
@@ -300,11 +284,16 @@ class Blocks(nnx.Module):
 
     self.ln1_scale = _param(ones(L, d), None, None)
     self.ln1_bias = _param(zeros(L, d), None, None)
-    # Drawn [q | k | v] (the packing before head-major), then stored
-    # head-major: a seed gives the same model as it did then.
-    qkv = normal((L, d, 3 * d), std).reshape(L, d, 3, H, d // H)
-    self.attn_qkv = _param(qkv.swapaxes(2, 3).reshape(L, d, 3 * d),
-                           None, None, MODEL)
+    kv, hd = config.kv_heads, d // H
+    if kv == H:
+      # Drawn [q | k | v] (the packing before head-major), then stored
+      # head-major: a seed gives the same model as it did then.
+      qkv = normal((L, d, 3 * d), std).reshape(L, d, 3, H, hd)
+      qkv = qkv.swapaxes(2, 3).reshape(L, d, 3 * d)
+    else:
+      # Grouped-query: drawn in its packing, (kv, group + 2, head_dim).
+      qkv = normal((L, d, (H + 2 * kv) * hd), std)
+    self.attn_qkv = _param(qkv, None, None, MODEL)
     self.attn_out = _param(normal((L, d, d), out_std), None, MODEL, None)
     self.attn_out_bias = _param(zeros(L, d), None, None)
     self.ln2_scale = _param(ones(L, d), None, None)
@@ -332,7 +321,9 @@ class GPT(nnx.Module):
     d, v = config.d_model, config.vocab_size
     normal = lambda *shape: 0.02 * jax.random.normal(rngs.params(), shape)
     self.tok_emb = _param(normal(v, d), MODEL, None)
-    self.pos_emb = _param(normal(config.seq_len, d), None, None)
+    # (Rotary positions replace the learned ones.)
+    self.pos_emb = (None if config.rope else
+                    _param(normal(config.seq_len, d), None, None))
     self.blocks = Blocks(config, rngs=rngs)
     self.ln_f_scale = _param(jnp.ones((d,), jnp.float32), None)
     self.ln_f_bias = _param(jnp.zeros((d,), jnp.float32), None)
@@ -367,7 +358,9 @@ class GPT(nnx.Module):
     if not use_dropout:
       rng = None
 
-    h = self.tok_emb[...][tokens] + self.pos_emb[...][:t]
+    h = self.tok_emb[...][tokens]
+    if self.pos_emb is not None:
+      h = h + self.pos_emb[...][:t]
     if rng is not None:
       h = dropout(h, gpt.dropout, jax.random.fold_in(rng, gpt.n_layers))
 
@@ -377,7 +370,8 @@ class GPT(nnx.Module):
       key = None if rng is None else jax.random.fold_in(rng, i)
       h = block(h, layer_params, n_heads=gpt.n_heads,
                 dropout_rate=gpt.dropout, rng=key,
-                attention=gpt.attention)
+                attention=gpt.attention, kv_heads=gpt.n_kv_heads,
+                rope_theta=gpt.rope_theta if gpt.rope else None)
       return h, None
 
     xs = (self.blocks.stacked(), jnp.arange(gpt.n_layers))
