@@ -5,7 +5,7 @@ as a shorthand."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NoReturn
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -16,8 +16,8 @@ from zero_jax.config._combinations import check_combinations
 from zero_jax.config._offload import Offload
 from zero_jax.config._remat import Activations
 from zero_jax.config._sections import (INT32_MAX, Batch, LossScaling,
-                                       LossScope, MixedPrecision, ZeroPP,
-                                       from_mapping)
+                                       LossScope, MixedPrecision, Section,
+                                       ZeroPP, from_mapping)
 
 # The ZeRO stages: 0 (plain data parallelism) to 3.
 STAGES = (0, 1, 2, 3)
@@ -33,7 +33,7 @@ _SECTION_OF = {section.NAME: section for section in SECTIONS}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
-class ZeroConfig:
+class ZeroConfig(Section):
   """How a model is laid out and trained over the batch axes of a mesh.
 
   Related fields are grouped in sections, each a frozen dataclass checked
@@ -207,17 +207,9 @@ class ZeroConfig:
           f"'ZeroConfig' object has no attribute {name!r}")
     return getattr(object.__getattribute__(self, where[0]), where[1])
 
-  def _set(self, name: str, value: Any) -> None:
-    object.__setattr__(self, name, value)  # the dataclass is frozen
-
-  def _check(self, name: str, check, *args: Any, **kwargs: Any) -> None:
-    """Sets field ``name`` to ``check(<its full name>, <value>, ...)``."""
-    self._set(name, check(f"ZeroConfig.{name}", getattr(self, name), *args,
-                          **kwargs))
-
-  def _fail(self, name: str, what: str, fix: str) -> NoReturn:
-    """Raises the error of a field whose value is not ``what``."""
-    fail(f"ZeroConfig.{name}", what, getattr(self, name), fix)
+  def _label(self, name: str) -> str:
+    """A top-level field's full name, for messages."""
+    return f"ZeroConfig.{name}"
 
   def _check_fields(self) -> None:
     """Checks each top-level field on its own, normalizing numbers to

@@ -81,39 +81,39 @@ class Offload(Section):
   def _check_fields(self) -> None:
     """Checks each field on its own."""
     if self.optimizer == "disk":
-      self.fail("optimizer", "None, 'host' or 'nvme'",
+      self._fail("optimizer", "None, 'host' or 'nvme'",
                 "'nvme' keeps the optimizer state in files under nvme_path.")
-    self.check("optimizer", check_choice, (None, "host", "nvme"),
+    self._check("optimizer", check_choice, (None, "host", "nvme"),
                "use 'host' to keep the optimizer state in host memory, "
                "'nvme' in files under nvme_path, None on the device.")
     if self.params == "nvme":
-      self.fail("params", "None or 'host'",
+      self._fail("params", "None or 'host'",
                 "parameters on NVMe are not implemented (the optimizer "
                 "state's tier is: offload_optimizer='nvme'); use 'host' for "
                 "the fp32 master shards in host memory.")
-    self.check("params", check_choice, (None, "host"),
+    self._check("params", check_choice, (None, "host"),
                "use 'host' (stage 3) to keep the fp32 master shards in host "
                "memory, None to keep them on the device.")
-    self.check("update", check_choice, ("device", "host"),
+    self._check("update", check_choice, ("device", "host"),
                "'device' streams offloaded state through the device, 'host' "
                "updates it on the host's CPU devices.")
-    self.check("delay", check_bool,
+    self._check("delay", check_bool,
                "True (with update_on='host') applies each update one step "
                "late.")
     for name, kind in (("optimizer", Tier), ("params", Tier),
                        ("update", UpdateOn)):
       if getattr(self, name) is not None:
-        self.set(name, kind(getattr(self, name)))
+        self._set(name, kind(getattr(self, name)))
     try:
-      self.set("nvme", NvmeOptions.of(self.nvme))
+      self._set("nvme", NvmeOptions.of(self.nvme))
     except ValueError as e:
-      raise ValueError(f"{self.label('nvme')}={self.nvme!r} is not valid: "
+      raise ValueError(f"{self._label('nvme')}={self.nvme!r} is not valid: "
                        f"{e}") from e
     fix = "name a directory on a fast local disk (each process writes in it)"
     if self.nvme_path is not None:
-      self.check("nvme_path", check_str, fix)
+      self._check("nvme_path", check_str, fix)
       if not self.nvme_path.strip():
-        self.fail("nvme_path", "a directory", fix)
+        self._fail("nvme_path", "a directory", fix)
 
   def _check_rules(self) -> None:
     """Raises where the fields contradict each other."""

@@ -148,28 +148,28 @@ class Activations(Section):
 
   def __post_init__(self):
     if not isinstance(self.remat, str) or self.remat not in REMAT_POLICIES:
-      self.fail("remat", f"one of {sorted(REMAT_POLICIES)}",
+      self._fail("remat", f"one of {sorted(REMAT_POLICIES)}",
                 "'full' (the default) recomputes each layer in backward.")
     if isinstance(self.names, (str, bytes)):
-      raise ValueError(f"{self.label('names')} must be a tuple of names, "
+      raise ValueError(f"{self._label('names')} must be a tuple of names, "
                        f"got the string {self.names!r}; write "
                        f"({self.names!r},)")
     try:
       names = tuple(self.names)
     except TypeError:
-      self.fail("names", "a tuple of checkpoint_name tags",
+      self._fail("names", "a tuple of checkpoint_name tags",
                 "write e.g. ('mlp_hidden',), or () for none.")
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
-      self.fail("names", "a tuple of non-empty strings",
+      self._fail("names", "a tuple of non-empty strings",
                 f"{bad[0]!r} is not a checkpoint_name tag; write the names "
                 "given to zero_jax.checkpoint_name.")
-    self.set("names", names)
+    self._set("names", names)
     # (As the enum: equal to its name, so remat="full" reads the same.)
-    self.set("remat", check_remat(self.remat, names))
-    self.check("partition", check_bool,
+    self._set("remat", check_remat(self.remat, names))
+    self._check("partition", check_bool,
                "True splits each saved layer input over the 'model' axis "
                "along the sequence (ZeRO-R's Pa).")
-    self.check("device_memory_bytes", check_int, 1, optional=True,
+    self._check("device_memory_bytes", check_int, 1, optional=True,
                fix="give bytes per device, e.g. 80 * 2**30, or None for "
                "what the device reports.")

@@ -84,25 +84,25 @@ class Section:
   # Its fields' flat shorthand names in ZeroConfig, by field.
   SHORTHAND: dict[str, str] = {}
 
-  def label(self, name: str) -> str:
+  def _label(self, name: str) -> str:
     """The field's full name for messages, with its shorthand."""
     flat = self.SHORTHAND.get(name)
     return (f"ZeroConfig.{self.NAME}.{name}"
             + (f" ({flat})" if flat and flat != name else ""))
 
-  def set(self, name: str, value: Any) -> None:
+  def _set(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)  # (the dataclass is frozen)
 
-  def check(self, name: str, check: Callable[..., Any], *args: Any,
+  def _check(self, name: str, check: Callable[..., Any], *args: Any,
             **kwargs: Any) -> None:
     """Sets field ``name`` to ``check(<its label>, <value>, ...)``."""
-    self.set(name, check(self.label(name), getattr(self, name), *args,
+    self._set(name, check(self._label(name), getattr(self, name), *args,
                          **kwargs))
 
-  def fail(self, name: str, what: str, fix: str,
+  def _fail(self, name: str, what: str, fix: str,
            value: Any = dataclasses.MISSING) -> NoReturn:
     """Raises the error of a field whose value is not ``what``."""
-    _raise(self.label(name), what,
+    _raise(self._label(name), what,
            getattr(self, name) if value is dataclasses.MISSING else value,
            fix)
 
@@ -117,22 +117,6 @@ def from_mapping(kind: type, value: Mapping[str, Any], what: str,
     raise ValueError(f"unknown {what} field(s) {unknown}; valid fields are "
                      f"{sorted(names)}")
   return kind(**{**value, **overrides})
-
-
-def check_dtype(section: Section, name: str, fix: str) -> None:
-  """Sets ``name`` to the canonical name of its dtype, or None."""
-  value = getattr(section, name)
-  if value is None:
-    return
-  value = _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
-  try:
-    canonical = jnp.dtype(value).name
-  except (TypeError, ValueError):
-    canonical = None
-  if canonical not in _DTYPES:
-    section.fail(name, f"None or one of {_DTYPES} (or bf16, fp16, half)",
-                 fix)
-  section.set(name, canonical)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +157,25 @@ class MixedPrecision(Section):
   reduce: str | None = None
 
   def __post_init__(self):
-    check_dtype(self, "compute", "None keeps float32 throughout.")
-    check_dtype(self, "reduce", "None keeps float32 sums; 'bfloat16' sums "
-                "in bf16.")
+    self._check_dtype("compute", "None keeps float32 throughout.")
+    self._check_dtype("reduce", "None keeps float32 sums; 'bfloat16' sums "
+                      "in bf16.")
+
+  def _check_dtype(self, name: str, fix: str) -> None:
+    """Sets ``name`` to the canonical name of its dtype, or None."""
+    value = getattr(self, name)
+    if value is None:
+      return
+    if isinstance(value, str):
+      value = _DTYPE_ALIASES.get(value, value)
+    try:
+      canonical = jnp.dtype(value).name
+    except (TypeError, ValueError):
+      canonical = None
+    if canonical not in _DTYPES:
+      self._fail(name, f"None or one of {_DTYPES} (or bf16, fp16, half)",
+                 fix)
+    self._set(name, canonical)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,29 +211,29 @@ class LossScaling(Section):
   consecutive_hysteresis: bool = False
 
   def __post_init__(self):
-    self.check("scale", check_float, 0.0, maximum=_FLOAT32_MAX,
+    self._check("scale", check_float, 0.0, maximum=_FLOAT32_MAX,
                what="0 (dynamic) or a finite number > 0 (static) that fits "
                "in float32", fix="use 0 for dynamic loss scaling, or a "
                "power of two such as 1024.0 for a static scale.")
-    self.check("initial_power", check_int, 0, _MAX_SCALE_POWER,
+    self._check("initial_power", check_int, 0, _MAX_SCALE_POWER,
                fix=(f"the loss scale 2**power is kept in float32, where 2**"
                     f"{_MAX_SCALE_POWER + 1} and above are inf (every step "
                     f"would overflow and be skipped); the largest allowed "
                     f"power is {_MAX_SCALE_POWER} (DeepSpeed's default is "
                     f"16)."))
-    self.check("window", check_int, 1, INT32_MAX,
+    self._check("window", check_int, 1, INT32_MAX,
                fix="it counts the clean steps before the dynamic scale "
                "doubles (DeepSpeed's default is 1000).")
-    self.check("hysteresis", check_int, 1, INT32_MAX,
+    self._check("hysteresis", check_int, 1, INT32_MAX,
                fix="it counts the overflows tolerated before the scale "
                "halves (DeepSpeed's default is 2; 1 halves at once).")
     max_scale = 2.0 ** self.initial_power
-    self.check("min_scale", check_float, 0.0, strict=True, maximum=max_scale,
+    self._check("min_scale", check_float, 0.0, strict=True, maximum=max_scale,
                what=f"> 0 and at most the initial scale 2**"
                f"{self.initial_power} = {max_scale:g}",
                fix="lower min_loss_scale (the default is 1.0), or raise "
                "initial_scale_power.")
-    self.check("consecutive_hysteresis", check_bool,
+    self._check("consecutive_hysteresis", check_bool,
                "True refills the hysteresis on every clean step.")
 
 
@@ -282,13 +282,13 @@ class ZeroPP(Section):
   hpz_partition_size: int = 1
 
   def __post_init__(self):
-    self.check("quantized_weights", check_bool,
+    self._check("quantized_weights", check_bool,
                "True (stage 3) gathers the parameters as int8 blocks "
                "(ZeRO++'s qwZ).")
-    self.check("quantized_gradients", check_bool,
+    self._check("quantized_gradients", check_bool,
                "True (stages 1-3) sums the gradients from int8 blocks "
                "(ZeRO++'s qgZ).")
-    self.check("hpz_partition_size", check_int, 1, INT32_MAX,
+    self._check("hpz_partition_size", check_int, 1, INT32_MAX,
                fix="it is the devices per hpZ group (one node), the "
                "'data' axis of make_mesh(replica=devices // size); 1 "
                "turns hpZ off.")
@@ -342,12 +342,12 @@ class Batch(Section):
          "the count from the batch sizes."),
         ("global_size", "None leaves the global batch free."),
         ("micro_size", "None leaves the per-device batch free.")):
-      self.check(name, check_int, 1, optional=True, fix=fix)
-    self.check("accumulation", check_choice,
+      self._check(name, check_int, 1, optional=True, fix=fix)
+    self._check("accumulation", check_choice,
                (None,) + tuple(a.value for a in Accumulation),
                "None follows loss_scope; 'whole_batch' (loss_scope="
                "'global') trains the whole batch's loss, checked; "
                "'mean_of_micro_batches' averages the micro-batches' "
                "losses (DeepSpeed's meaning).")
     if self.accumulation is not None:
-      self.set("accumulation", Accumulation(self.accumulation))
+      self._set("accumulation", Accumulation(self.accumulation))

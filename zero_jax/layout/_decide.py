@@ -78,6 +78,8 @@ class Decisions:
       delayed update).
     reasons: ``(decision, line)``: ``describe``'s line on each decision,
       its value and its reason.
+    mesh_shape: the mesh's ``(axis, size)`` pairs, which ``with_remat``
+      decides prefetch on again.
   """
 
   stage: int
@@ -117,11 +119,6 @@ class Decisions:
   def delay_update(self) -> bool:
     """The host's update runs one step late (``delay_update``)."""
     return self.offload.delay
-
-  @property
-  def dynamic_loss_scale(self) -> bool:
-    """float16 with DeepSpeed's dynamic loss scaling."""
-    return self.placement.loss_scaling and self.loss_scaling.scale == 0
 
   def with_remat(self, remat: RematPolicy) -> "Decisions":
     """The decisions at another remat policy (what ``remat="auto"``
@@ -262,9 +259,9 @@ def _prefetch(asked: bool | str, placement: Placement,
   if asked == "auto":
     return Prefetch.OFF, (
         "prefetch (auto): off; it needs stage 3 gathering from the "
-        "float32 master, or stage 2 with a compute_dtype, no offload, one micro-batch a "
-        "step and loss_scope='per_device'; remat 'full', no Pa, hpZ or "
-        "'model' axis, and more than one device")
+        "float32 master, or stage 2 with a compute_dtype, no offload, "
+        "one micro-batch a step and loss_scope='per_device'; remat "
+        "'full', no Pa, hpZ or 'model' axis, and more than one device")
   return Prefetch.OFF, "prefetch (False): off"
 
 
